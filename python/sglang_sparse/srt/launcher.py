@@ -1,0 +1,121 @@
+"""``python -m sglang_sparse.launch_server [SGLang flags]``: SGLang's own server with sglang_sparse.
+
+Every SGLang flag is passed through unchanged. Added defaults, each announced in one log line:
+- no ``--model-path``: the embedded default model (SmolLM2-135M-Instruct, see ``default_model``);
+- no ``--device`` and no GPU: ``--device cpu``;
+- on a CPU without ``--max-total-tokens``: a KV pool sized to the machine (``core.kv_budget``);
+- on a CPU: ``--sleep-on-idle`` (an idle scheduler otherwise busy-polls a core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from sglang_sparse.core import kv_budget
+from sglang_sparse.default_model import DefaultModelError, ensure_default_model
+from sglang_sparse.srt import activation
+
+logger = logging.getLogger("sglang_sparse.launch_server")
+
+
+def _given_flags(argv: list[str]) -> argparse.Namespace:
+    """Read the few SGLang flags the launcher defaults, without consuming anything."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--model-path", "--model", dest="model_path")
+    parser.add_argument("--device")
+    parser.add_argument("--max-total-tokens", type=int)
+    parser.add_argument("--dtype")
+    parser.add_argument("--kv-cache-dtype")
+    parser.add_argument("--context-length", type=int)
+    parser.add_argument("--sleep-on-idle", action="store_true")
+    known, _ = parser.parse_known_args(argv)
+    return known
+
+
+def _available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _cpu_pool_size(model_path: str, given: argparse.Namespace) -> tuple[int, str]:
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        return kv_budget.CPU_POOL_CAP_TOKENS, "model config not local; using the CPU cap"
+    config = json.loads(config_file.read_text())
+    kv_dtype = next((d for d in (given.kv_cache_dtype, given.dtype) if d and d != "auto"), None)
+    per_token = kv_budget.kv_bytes_per_token(config, kv_dtype)
+    context = given.context_length or int(
+        config.get("text_config", config).get("max_position_embeddings", 8192)
+    )
+    avail = _available_memory_bytes()
+    tokens = kv_budget.cpu_pool_tokens(per_token, avail, context)
+    why = (
+        f"{tokens * per_token / 2**30:.1f} GiB of {avail / 2**30:.1f} GiB available, "
+        f"{per_token} B/token"
+    )
+    return tokens, why
+
+
+def complete_argv(argv: list[str], log=logger.info) -> list[str]:
+    """SGLang argv with the launcher's defaults added (see module docstring)."""
+    argv = list(argv)
+    given = _given_flags(argv)
+    if given.model_path is None:
+        model_dir = ensure_default_model(log=log)
+        log(f"sglang_sparse: no --model-path; serving the default model from {model_dir}")
+        argv += ["--model-path", str(model_dir)]
+        given.model_path = str(model_dir)
+    device = given.device
+    if device is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            device = "cpu"
+            argv += ["--device", "cpu"]
+    if device != "cpu":
+        return argv
+    added = []
+    if given.max_total_tokens is None:
+        tokens, why = _cpu_pool_size(given.model_path, given)
+        argv += ["--max-total-tokens", str(tokens)]
+        added.append(f"KV pool {tokens} tokens ({why})")
+    if not given.sleep_on_idle:
+        # An idle SGLang scheduler busy-polls a whole core; on a small CPU machine that core is
+        # the one the tokenizer, detokenizer and clients need.
+        argv += ["--sleep-on-idle"]
+        added.append("--sleep-on-idle")
+    log("sglang_sparse: CPU serving (--device cpu)" + (f"; added {', '.join(added)}" if added else ""))
+    return argv
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = complete_argv(argv)
+    except DefaultModelError as err:
+        sys.exit(f"sglang_sparse: {err}")
+    activation.export_config({})
+
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    load_plugins()
+    server_args = prepare_server_args(argv)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)

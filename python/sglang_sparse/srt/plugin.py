@@ -1,0 +1,37 @@
+"""The sglang_sparse plugin: entry point ``sglang_sparse`` in group ``sglang.srt.plugins``.
+
+SGLang calls ``load()`` early in every process it starts (launcher, scheduler, detokenizer,
+DP controller, offline Engine); ``HookRegistry.apply_hooks()`` runs right after all plugins.
+This is the single place where sglang_sparse registers itself with SGLang.
+
+- Always: platform support (the CPU fix), also for plain ``python -m sglang.launch_server``.
+- Only in servers started by ``sglang_sparse.launch_server`` (see ``activation``): everything
+  else: status hooks and admin routes now; attention backend, model-runner / KV-pool hooks and
+  radix-cache backend as later capabilities land.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang_sparse.srt import activation, platform, status
+
+logger = logging.getLogger("sglang_sparse")
+
+_loaded = False
+
+
+def load() -> None:
+    global _loaded
+    if _loaded:  # SGLang guards too; this keeps direct calls idempotent.
+        return
+    _loaded = True
+    if platform.cpu_requested():
+        platform.enable_cpu()
+        status.REGISTRATIONS.append("platform:cpu-rotary-plain-torch")
+    if not activation.is_active():
+        return
+    status.register_scheduler_status()
+    status.REGISTRATIONS.append("hook:scheduler-internal-state")
+    status.register_routes()
+    logger.info("sglang_sparse plugin loaded: %s", ", ".join(status.REGISTRATIONS))

@@ -1,0 +1,69 @@
+"""Where the plugin reports what it did, per process.
+
+- Scheduler side: an AFTER hook on ``SchedulerInternalStateController.get_internal_state`` adds an
+  ``sglang_sparse`` entry (pid, process name, this process's registrations) to every internal-state
+  readback, so ``/server_info`` and ``/sparse/info`` show what ran *inside* each scheduler.
+- Launcher side: the ``GET /sparse/info`` route (main process only) returns the launcher's own
+  record plus each scheduler's.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+from sglang_sparse import __version__
+from sglang_sparse.srt import activation
+
+# What this process registered, in order. Filled by ``plugin.load``.
+REGISTRATIONS: list[str] = []
+
+INTERNAL_STATE_TARGET = (
+    "sglang.srt.managers.scheduler_components.internal_state."
+    "SchedulerInternalStateController.get_internal_state"
+)
+
+
+def process_record() -> dict:
+    import sglang.srt.layers.rotary_embedding.base as rope_base
+
+    return {
+        "version": __version__,
+        "pid": os.getpid(),
+        "process": multiprocessing.current_process().name,
+        "registrations": list(REGISTRATIONS),
+        "rope_plain_torch_path": bool(rope_base._is_mps),
+    }
+
+
+def _add_scheduler_record(result, *args, **kwargs):
+    result.internal_state["sglang_sparse"] = process_record()
+    return result
+
+
+def register_scheduler_status() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(INTERNAL_STATE_TARGET, _add_scheduler_record, HookType.AFTER)
+
+
+async def sparse_info():
+    """GET /sparse/info: the launcher's record and one record per scheduler (per DP rank)."""
+    from sglang.srt.entrypoints.http_server import get_global_state
+
+    states = await get_global_state().tokenizer_manager.get_internal_state()
+    return {
+        "config": activation.load_config(),
+        "launcher": process_record(),
+        "schedulers": [s.get("sglang_sparse") for s in states],
+    }
+
+
+def register_routes() -> None:
+    """Admin routes live in the HTTP server, i.e. the main process only."""
+    if multiprocessing.current_process().name != "MainProcess":
+        return
+    from sglang.srt.entrypoints.http_server import app
+
+    app.add_api_route("/sparse/info", sparse_info, methods=["GET"])
+    REGISTRATIONS.append("route:/sparse/info")

@@ -1,0 +1,44 @@
+"""Shared fixtures. Server tests share one server per module (see ``start_server``)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    from sglang_sparse.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+def start_server(args, request, module="sglang_sparse.launch_server", env=None, timeout=400):
+    """Start a server for one test module; on failure the error shows the server's log."""
+    from sglang_sparse.server_process import ServerProcess
+
+    server = ServerProcess(args, module=module, env=env)
+    request.addfinalizer(server.stop)
+    server.start(timeout=timeout)
+    return server

@@ -1,0 +1,86 @@
+"""Launcher defaults, KV sizing and model-dir verification, without starting a server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sglang_sparse.core import kv_budget
+from sglang_sparse import default_model
+
+SMOL = {
+    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+    "head_dim": 64, "hidden_size": 576, "dtype": "float32", "max_position_embeddings": 8192,
+}
+
+
+def test_kv_bytes_per_token_smollm2():
+    assert kv_budget.kv_bytes_per_token(SMOL) == 30 * 3 * 64 * 2 * 4
+    assert kv_budget.kv_bytes_per_token(SMOL, "bfloat16") == 30 * 3 * 64 * 2 * 2
+    with pytest.raises(ValueError, match="unknown dtype 'int3'"):
+        kv_budget.kv_bytes_per_token(SMOL, "int3")
+
+
+def test_cpu_pool_tokens_bounds():
+    per = 46080
+    assert kv_budget.cpu_pool_tokens(per, 100 * 2**30, 8192) == kv_budget.CPU_POOL_CAP_TOKENS
+    assert kv_budget.cpu_pool_tokens(per, 4 * 2**30, 8192) == 4 * 2**30 // 4 // per
+    assert kv_budget.cpu_pool_tokens(per, 2**20, 8192) == 8192  # never below one context
+
+
+@pytest.fixture
+def fake_model(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text(json.dumps(SMOL))
+    monkeypatch.setattr("sglang_sparse.srt.launcher.ensure_default_model", lambda log: tmp_path)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    return tmp_path
+
+
+def test_complete_argv_fills_model_device_and_pool(fake_model):
+    from sglang_sparse.srt.launcher import complete_argv
+
+    lines = []
+    argv = complete_argv(["--port", "1"], log=lines.append)
+    assert argv[:2] == ["--port", "1"]
+    assert argv[argv.index("--model-path") + 1] == str(fake_model)
+    assert argv[argv.index("--device") + 1] == "cpu"
+    assert int(argv[argv.index("--max-total-tokens") + 1]) >= 8192
+    assert "--sleep-on-idle" in argv
+    assert any("CPU serving" in line for line in lines)
+
+
+def test_complete_argv_keeps_given_flags(fake_model):
+    from sglang_sparse.srt.launcher import complete_argv
+
+    given = ["--model", str(fake_model), "--device=cpu", "--max-total-tokens", "4096", "--sleep-on-idle"]
+    assert complete_argv(given, log=lambda m: None) == given
+
+
+def test_cpu_requested_reads_device_flag():
+    from sglang_sparse.srt.platform import cpu_requested
+
+    assert cpu_requested(["x", "--device", "cpu"])
+    assert cpu_requested(["x", "--device=cpu"])
+    assert not cpu_requested(["x", "--device", "cuda"])
+
+
+def test_verify_dir_detects_tampering(tmp_path):
+    (tmp_path / "w.bin").write_bytes(b"weights")
+    manifest = {
+        "format_version": default_model.FORMAT_VERSION,
+        "gguf_sha256": default_model.GGUF_SHA256,
+        "files": {"w.bin": default_model.sha256_file(tmp_path / "w.bin")},
+    }
+    (tmp_path / default_model.MANIFEST).write_text(json.dumps(manifest))
+    assert default_model.verify_dir(tmp_path)
+    (tmp_path / "w.bin").write_bytes(b"weightz")
+    assert not default_model.verify_dir(tmp_path)
+    assert not default_model.verify_dir(tmp_path / "missing")
+
+
+def test_default_model_dir_is_verified(default_model_dir):
+    assert default_model.verify_dir(default_model_dir)
+    config = json.loads((default_model_dir / "config.json").read_text())
+    assert config["num_hidden_layers"] == 30 and config["num_key_value_heads"] == 3
+    assert (default_model_dir / "chat_template.jinja").is_file()
