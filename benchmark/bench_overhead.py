@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import concurrent_decode, stream_generate, write_json  # noqa: E402
+from common import concurrent_decode, stream_generate, tree_cpu_seconds, write_json  # noqa: E402
 
 from sglang_sparse.default_model import ensure_default_model
 from sglang_sparse.server_process import ServerProcess
@@ -40,23 +40,27 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(1000, 30000) for _ in range(length)] for _ in range(n)]
 
 
-def measure(base_url: str, args, seed: int) -> dict:
+def measure(server: ServerProcess, args, seed: int) -> dict:
+    base_url = server.base_url
     concurrent_decode(base_url, prompts(2, args.prompt_len, seed), 16)  # warm-up
     ttft = statistics.median(
         stream_generate(base_url, p, 1)["ttft"] for p in prompts(3, args.prompt_len, seed + 1)
     )
     out = {"ttft_s": ttft}
     for c in args.concurrency:
-        out[f"decode_tok_s@{c}"] = concurrent_decode(
-            base_url, prompts(c, args.prompt_len, seed + 10 + c), args.new_tokens
-        )["decode_tok_s"]
+        cpu0 = tree_cpu_seconds(server.proc.pid)
+        res = concurrent_decode(base_url, prompts(c, args.prompt_len, seed + 10 + c), args.new_tokens)
+        out[f"decode_tok_s@{c}"] = res["decode_tok_s"]
+        # CPU time the server's processes spent per generated token (prefill included): far less
+        # sensitive to machine noise than wall-clock rates on a shared 2-core machine.
+        out[f"cpu_ms_per_token@{c}"] = 1000 * (tree_cpu_seconds(server.proc.pid) - cpu0) / res["tokens"]
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
-    ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
@@ -81,7 +85,7 @@ def main() -> None:
         for r in range(args.reps):
             order = list(VARIANTS) if r % 2 == 0 else list(reversed(VARIANTS))
             for name in order:
-                result = measure(servers[name].base_url, args, seed=1000 * r)
+                result = measure(servers[name], args, seed=1000 * r)
                 runs[name].append(result)
                 print(f"rep {r} {name}: " + ", ".join(f"{k}={v:.3f}" for k, v in result.items()), flush=True)
     finally:
@@ -94,7 +98,7 @@ def main() -> None:
     overhead = {}
     for m in metrics:
         a, b = med["sglang"][m], med["sglang_sparse"][m]
-        overhead[m] = (1 - b / a) if m.startswith("decode") else (b / a - 1)
+        overhead[m] = (1 - b / a) if m.startswith("decode") else (b / a - 1)  # + = sparse worse
         print(f"{m:<22}{a:>12.3f}{b:>15.3f}{overhead[m]:>+10.1%}")
     path = write_json(
         args.out,

@@ -58,6 +58,21 @@ def concurrent_decode(base_url: str, prompts: list[list[int]], max_new_tokens: i
     }
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """User+system CPU seconds used so far by a process and all its descendants."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
 def write_json(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / name
