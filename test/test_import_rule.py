@@ -40,12 +40,15 @@ def test_only_the_adapter_imports_sglang():
     assert offenders == {}, f"engine-agnostic modules import sglang: {offenders}"
 
 
-def test_core_import_does_not_load_sglang():
+def test_engine_agnostic_modules_do_not_load_sglang():
     code = (
-        "import sys, importlib, pkgutil, sglang_sparse.core as core\n"
-        "for m in pkgutil.walk_packages(core.__path__, 'sglang_sparse.core.'):\n"
-        "    importlib.import_module(m.name)\n"
-        "import sglang_sparse.default_model, sglang_sparse.server_process\n"
+        "import sys, importlib, pkgutil\n"
+        "for pkg in ('core', 'methods', 'kernels'):\n"
+        "    mod = importlib.import_module('sglang_sparse.' + pkg)\n"
+        "    for m in pkgutil.walk_packages(mod.__path__, mod.__name__ + '.'):\n"
+        "        importlib.import_module(m.name)\n"
+        "import sglang_sparse.registry, sglang_sparse.default_model, sglang_sparse.server_process\n"
+        "assert sglang_sparse.registry.method_names()\n"
         "bad = sorted(m for m in sys.modules if m == 'sglang' or m.startswith('sglang.'))\n"
         "assert not bad, bad\n"
     )

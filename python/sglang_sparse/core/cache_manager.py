@@ -1,0 +1,100 @@
+"""CacheManager: the method-owned side of the KV cache (engine-agnostic).
+
+The engine allocates rows/slots and writes each token's KV as usual; the cache manager keeps,
+per request, the retained-slot map (``RetainedMap``) and the method's persistent metadata
+(scores, page summaries, ...), and performs physical operations on the store: compaction
+(move kept entries into the first rows, free the rest to the allocator) and release.
+
+Lifetimes: state is created by ``start`` and dropped by ``release``; tensors returned by
+``retained`` stay valid until the next ``compact`` or ``release`` of that request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sglang_sparse.core.kv_store import KVStore
+from sglang_sparse.core.retained import RetainedMap
+
+
+@dataclass
+class RequestState:
+    req_row: int
+    prompt_len: int
+    retained: RetainedMap
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class CacheManager:
+    def __init__(self, store: KVStore, kv_heads: int) -> None:
+        self.store = store
+        self.kv_heads = kv_heads
+        self.requests: dict[str, RequestState] = {}
+        self.counters = {"compactions": 0, "slots_released": 0}
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self, rid: str, req_row: int, prompt_len: int, cached_len: int = 0) -> RequestState:
+        """A request enters the engine; ``cached_len`` rows are already resident (prefix hit)."""
+        state = RequestState(req_row, prompt_len, RetainedMap(self.store.num_layers, self.kv_heads))
+        state.retained.append(cached_len)
+        self.requests[rid] = state
+        return state
+
+    def on_written(self, rid: str, n: int) -> None:
+        """n tokens of this request got their KV written in new rows this step."""
+        self.requests[rid].retained.append(n)
+
+    def release(self, rid: str) -> None:
+        """Forget the request. The engine frees the rows it still owns (``[0, n_rows)``)."""
+        self.requests.pop(rid, None)
+
+    # -- physical operations -----------------------------------------------------------------
+    def compact(self, rid: str, keep: torch.Tensor) -> int:
+        """Keep the logical positions ``keep`` (``[layers, kv_heads, B]``, ascending per head)
+        and release every other row. Row i of layer l / head h then holds ``keep[l, h, i]``.
+        Returns the number of slots freed (``n_rows - B``)."""
+        state = self.requests[rid]
+        ret = state.retained
+        layers, heads, budget = keep.shape
+        if budget >= ret.n_rows:
+            return 0
+        src_rows = ret.rows_of(keep)  # [layers, heads, B], each >= its destination row
+        slots = self.store.row_slots(state.req_row, 0, ret.n_rows).to(torch.int64)
+        dst = slots[:budget].expand(heads, budget)
+        head_ix = torch.arange(heads, device=slots.device).view(heads, 1)
+        for layer in range(layers):
+            src = slots[src_rows[layer].to(slots.device)]  # [heads, B]
+            for buf in (self.store.k_buffer(layer), self.store.v_buffer(layer)):
+                moved = buf[src, head_ix]  # gather first: sources and destinations overlap
+                buf[dst, head_ix] = moved
+        freed = slots[budget:].clone()
+        ret.keep(keep)
+        self.store.truncate_rows(state.req_row, budget)
+        self.store.free_slots(freed)
+        self.counters["compactions"] += 1
+        self.counters["slots_released"] += len(freed)
+        return len(freed)
+
+    # -- queries -----------------------------------------------------------------------------
+    def retained(self, rid: str) -> RetainedMap:
+        return self.requests[rid].retained
+
+    def keys(self, rid: str, layer: int) -> torch.Tensor:
+        """Resident keys of a request in row order: ``[n_rows, kv_heads, d]``."""
+        state = self.requests[rid]
+        slots = self.store.row_slots(state.req_row, 0, state.retained.n_rows).to(torch.int64)
+        return self.store.k_buffer(layer)[slots]
+
+    def values(self, rid: str, layer: int) -> torch.Tensor:
+        state = self.requests[rid]
+        slots = self.store.row_slots(state.req_row, 0, state.retained.n_rows).to(torch.int64)
+        return self.store.v_buffer(layer)[slots]
+
+    def totals(self) -> dict[str, int]:
+        return {
+            "logical_tokens": sum(s.retained.logical_len for s in self.requests.values()),
+            "retained_tokens": sum(s.retained.n_rows for s in self.requests.values()),
+        }

@@ -1,0 +1,68 @@
+"""SparseController: the facade the engine adapter calls (engine-agnostic, no method names).
+
+The adapter translates engine events into these calls; the controller keeps the cache manager's
+row bookkeeping in step with the engine and forwards to the method's runtime hooks in the order
+documented in ``runtime``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_sparse.core.events import LayerInput, StepInfo, StepMode
+from sglang_sparse.core.runtime import SparseMethodRuntime
+from sglang_sparse.core.views import DecodeView
+
+
+class SparseController:
+    def __init__(self, runtime: SparseMethodRuntime) -> None:
+        self.runtime = runtime
+        self.cache = runtime.cache
+        self.steps = 0
+
+    # -- requests ----------------------------------------------------------------------------
+    def request_started(self, rid: str, req_row: int, prompt_len: int, cached_len: int = 0) -> None:
+        self.cache.start(rid, req_row, prompt_len, cached_len)
+        self.runtime.on_request_start(rid)
+
+    def request_finished(self, rid: str) -> None:
+        if rid in self.cache.requests:
+            self.runtime.on_request_end(rid)
+            self.cache.release(rid)
+
+    # -- one forward step --------------------------------------------------------------------
+    def begin_step(self, step: StepInfo) -> None:
+        """The engine allocated rows for this step's tokens and is about to run the model."""
+        for r in step.requests:
+            self.cache.on_written(r.rid, r.num_tokens)
+        self.steps += 1
+        self.runtime.prepare_step(step)
+
+    def attention_view(self, layer: LayerInput) -> DecodeView | None:
+        """Called by the attention backend in every layer, after this step's KV is written."""
+        self.runtime.before_attention(layer)
+        if any(r.is_prefill for r in layer.step.requests):
+            self.runtime.on_prefill_chunk(layer)
+        if layer.step.mode is StepMode.DECODE:
+            return self.runtime.build_decode_selection(layer)
+        return None
+
+    def attention_done(self, layer: LayerInput, out: torch.Tensor) -> None:
+        self.runtime.after_attention(layer, out)
+        self.runtime.on_layer_end(layer.layer_id, layer.step)
+
+    def end_step(self, step: StepInfo) -> None:
+        self.runtime.finish_step(step)
+
+    def safe_point(self) -> int:
+        """Between steps, when no forward reads the KV: apply planned compactions."""
+        return self.runtime.apply_pending()
+
+    # -- observability -----------------------------------------------------------------------
+    def stats(self) -> dict:
+        return {
+            "method": self.runtime.name,
+            "steps": self.steps,
+            **self.cache.totals(),
+            "counters": {**self.cache.counters, **self.runtime.counters},
+        }

@@ -1,0 +1,33 @@
+"""MemoryOracle: what a request costs in KV rows, as the scheduler must ask it (engine-agnostic).
+
+The attention budget does not decide memory: Quest reads a few pages but keeps everything;
+SnapKV holds the whole prompt until its last chunk is scored, then only its budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MemoryOracle:
+    """Rows (slots) held by one request. ``retained_budget=None``: nothing is evicted."""
+
+    retained_budget: int | None = None
+
+    def prefill_peak_rows(self, prompt_len: int) -> int:
+        """Rows held while the prompt is prefilled (until compaction)."""
+        return prompt_len
+
+    def rows_after_prefill(self, prompt_len: int) -> int:
+        if self.retained_budget is None:
+            return prompt_len
+        return min(prompt_len, self.retained_budget)
+
+    def rows_at(self, prompt_len: int, generated: int) -> int:
+        """Rows held after ``generated`` decode tokens."""
+        return self.rows_after_prefill(prompt_len) + generated
+
+    def admission_rows(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Rows to reserve to admit a request and run it to completion."""
+        return max(self.prefill_peak_rows(prompt_len), self.rows_at(prompt_len, max_new_tokens))

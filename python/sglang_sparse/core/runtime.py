@@ -1,0 +1,79 @@
+"""SparseMethodRuntime: the per-method callbacks of the lifecycle contract (engine-agnostic).
+
+Every hook is a no-op by default, so a method overrides only what it needs. Firing order in one
+forward step (all in the scheduler process, on the rank that runs the model):
+
+    prepare_step(step)                                   once, before the model runs
+    for each layer l:
+        before_attention(layer)                          every step
+        on_prefill_chunk(layer)                          steps with prefill tokens
+        build_decode_selection(layer) -> DecodeView|None decode steps (None: dense)
+        <attention>
+        after_attention(layer, out)                      every step
+        on_layer_end(l, step)                            every step
+    finish_step(step)                                    once, after the model ran
+
+``finish_step`` may only *plan* physical changes (compaction, eviction): the controller applies
+them at the engine's safe point via ``apply_pending`` (after the step's results are processed,
+before the next step is scheduled), so in-flight work never sees rows move. Hooks that run
+inside the forward (everything but ``prepare_step``/``finish_step``/``apply_pending``) must not
+call ``.item()`` or loop over requests on a GPU hot path to stay CUDA-graph friendly; the CPU
+implementation of the methods here does not yet meet that bar.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_sparse.core.cache_manager import CacheManager
+from sglang_sparse.core.events import LayerInput, StepInfo
+from sglang_sparse.core.memory_oracle import MemoryOracle
+from sglang_sparse.core.views import DecodeView
+
+
+class SparseMethodRuntime:
+    """Base class. Subclasses set ``name`` and usually override a few hooks."""
+
+    name = "base"
+
+    def __init__(self, cache: CacheManager, oracle: MemoryOracle | None = None) -> None:
+        self.cache = cache
+        self.oracle = oracle or MemoryOracle()
+        self.counters: dict[str, int] = {}
+
+    def bump(self, counter: str, n: int = 1) -> None:
+        self.counters[counter] = self.counters.get(counter, 0) + n
+
+    # -- request lifecycle -------------------------------------------------------------------
+    def on_request_start(self, rid: str) -> None:
+        """After the cache manager created the request's state."""
+
+    def on_request_end(self, rid: str) -> None:
+        """Before the cache manager drops the request's state."""
+
+    # -- step hooks --------------------------------------------------------------------------
+    def prepare_step(self, step: StepInfo) -> None:
+        """Once per forward, before the model runs."""
+
+    def before_attention(self, layer: LayerInput) -> None:
+        """Every layer of every step, before attention (KV of this step already written)."""
+
+    def on_prefill_chunk(self, layer: LayerInput) -> None:
+        """Every layer of a step with prefill tokens: the chunk's q/k/v (scoring, summaries)."""
+
+    def build_decode_selection(self, layer: LayerInput) -> DecodeView | None:
+        """Every layer of a decode step: the rows attention reads. None: all resident rows."""
+        return None
+
+    def after_attention(self, layer: LayerInput, out: torch.Tensor) -> None:
+        """Every layer of every step, with attention's output ``[T, H_q, d]``."""
+
+    def on_layer_end(self, layer_id: int, step: StepInfo) -> None:
+        """End of a layer: share state across layers (e.g. reuse a filter layer's selection)."""
+
+    def finish_step(self, step: StepInfo) -> None:
+        """Once per forward, after the model ran: update statistics, plan compactions."""
+
+    def apply_pending(self) -> int:
+        """At the engine's safe point: apply planned physical changes. Returns slots freed."""
+        return 0

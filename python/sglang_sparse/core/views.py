@@ -1,0 +1,35 @@
+"""AttentionView: exactly what attention reads in one layer, for one step (engine-agnostic).
+
+Persistent KV stays with the CacheManager; a view only names rows (see ``events`` for the
+row / logical convention). ``None`` from a hook means "dense": every resident row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DecodeView:
+    """Rows each query head of each request reads in a decode step.
+
+    ``rows[i]`` is ``[H_q, n_i]`` int64 row indices for request i (ascending per head);
+    ``valid[i]`` is the same shape, False where a head reads fewer rows than ``n_i`` (padding).
+    """
+
+    rows: tuple[torch.Tensor, ...]
+    valid: tuple[torch.Tensor, ...]
+
+    def rows_read(self) -> int:
+        return int(sum(v.sum() for v in self.valid))
+
+
+@dataclass(frozen=True)
+class PrefillView:
+    """Prefill reads every resident row causally unless a method narrows it (sparse prefill).
+    ``row_limit[i]``: request i's chunk attends rows ``[0, row_limit[i])`` of earlier context
+    plus itself causally."""
+
+    row_limit: tuple[int, ...]

@@ -1,0 +1,79 @@
+"""Registry of sparse methods: name -> (config class, runtime class). Engine-agnostic.
+
+Methods register themselves with ``@register_method`` in their own file under ``methods/``;
+nothing outside a method's file names it. CLI choices come from ``method_names()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A bad method name or knob; the message says which value and what is allowed."""
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    family: str
+    config_cls: type
+    runtime_cls: type
+    summary: str
+
+
+_METHODS: dict[str, MethodSpec] = {}
+
+
+def register_method(name: str, family: str, config_cls: type, summary: str):
+    def wrap(runtime_cls: type) -> type:
+        if name in _METHODS:
+            raise ValueError(f"sparse method {name!r} registered twice")
+        runtime_cls.name = name
+        _METHODS[name] = MethodSpec(name, family, config_cls, runtime_cls, summary)
+        return runtime_cls
+
+    return wrap
+
+
+def _load_builtin() -> None:
+    import sglang_sparse.methods  # noqa: F401  (each module registers itself)
+
+
+def method_names() -> list[str]:
+    _load_builtin()
+    return sorted(_METHODS)
+
+
+def get_method(name: str) -> MethodSpec:
+    _load_builtin()
+    try:
+        return _METHODS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown sparse method {name!r}; available: {', '.join(sorted(_METHODS))}"
+        ) from None
+
+
+def build_config(name: str, knobs: dict[str, Any] | None = None):
+    """The method's validated config from ``knobs`` (unknown knobs are refused)."""
+    spec = get_method(name)
+    fields = {f.name for f in dataclasses.fields(spec.config_cls)}
+    unknown = sorted(set(knobs or {}) - fields)
+    if unknown:
+        raise ConfigError(
+            f"sparse method {name!r} has no option {', '.join(unknown)}; "
+            f"its options: {', '.join(sorted(fields)) or '(none)'}"
+        )
+    config = spec.config_cls(**(knobs or {}))
+    config.validate()
+    return config
+
+
+def check_range(name: str, value: int, low: int, high: int | None = None) -> None:
+    """Raise ConfigError naming the option, the bad value and the allowed range."""
+    if value < low or (high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ConfigError(f"{name}={value} is out of range: must be {allowed}")

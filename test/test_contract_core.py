@@ -1,0 +1,177 @@
+"""The lifecycle contract driven by a plain-torch engine (TensorKVStore), no SGLang: hook order,
+SnapKV compaction and slot release, Quest page selection, leak-freedom, config validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_sparse.core.cache_manager import CacheManager
+from sglang_sparse.core.controller import SparseController
+from sglang_sparse.core.events import LayerInput, RequestSlice, StepInfo, StepMode
+from sglang_sparse.core.kv_store import TensorKVStore
+from sglang_sparse.kernels import reference
+from sglang_sparse.registry import ConfigError, build_config, get_method, method_names
+
+LAYERS, HQ, HKV, D = 3, 4, 2, 8
+
+
+class ToyEngine:
+    """Feeds given per-layer q/k/v through the contract like an engine would: allocate rows,
+    begin_step, write KV, per-layer attention_view / attention_done, end_step, safe_point."""
+
+    def __init__(self, method: str, knobs: dict | None = None, slots: int = 512) -> None:
+        self.store = TensorKVStore(LAYERS, slots, HKV, D)
+        spec = get_method(method)
+        runtime = spec.runtime_cls(CacheManager(self.store, HKV), build_config(method, knobs))
+        self.ctl = SparseController(runtime)
+        self.views: list = []
+
+    def run_step(self, mode, slices, q, k, v):
+        """q/k/v: per layer ``[T, heads, d]`` for the step's tokens, in slice order."""
+        for s in slices:
+            self.store.alloc_rows(s.req_row, s.num_tokens)
+        step = StepInfo(self.ctl.steps, mode, tuple(slices))
+        self.ctl.begin_step(step)
+        for layer in range(LAYERS):
+            for i, s in enumerate(slices):
+                off = step.token_offsets[i]
+                rows = self.store.row_slots(s.req_row, s.row_start, s.row_start + s.num_tokens)
+                self.store.write(layer, rows, k[layer][off : off + s.num_tokens], v[layer][off : off + s.num_tokens])
+            inp = LayerInput(layer, step, q[layer], k[layer], v[layer])
+            self.views.append((layer, self.ctl.attention_view(inp)))
+            self.ctl.attention_done(inp, torch.zeros_like(q[layer]))
+        self.ctl.end_step(step)
+        return self.ctl.safe_point()
+
+    def prefill(self, rid, row, q, k, v, chunk):
+        """Prefill one request's prompt in chunks of ``chunk`` tokens."""
+        length = q[0].shape[0]
+        self.ctl.request_started(rid, row, length)
+        freed = 0
+        for start in range(0, length, chunk):
+            end = min(start + chunk, length)
+            rows0 = self.ctl.cache.retained(rid).n_rows
+            s = RequestSlice(rid, row, start, end, rows0, length)
+            freed += self.run_step(StepMode.PREFILL, [s], [x[start:end] for x in q],
+                                   [x[start:end] for x in k], [x[start:end] for x in v])
+        return freed
+
+    def decode(self, rid, row, q, k, v):
+        ret = self.ctl.cache.retained(rid)
+        s = RequestSlice(rid, row, ret.logical_len, ret.logical_len + 1, ret.n_rows,
+                         self.ctl.cache.requests[rid].prompt_len)
+        return self.run_step(StepMode.DECODE, [s], q, k, v)
+
+    def finish(self, rid, row):
+        self.ctl.request_finished(rid)
+        self.store.release_row(row)
+
+
+def qkv(length, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(length, h, D, generator=g) for _ in range(LAYERS)] for h in (HQ, HKV, HKV)]
+
+
+@pytest.mark.parametrize("chunk", [1000, 37, 5])
+def test_snapkv_compaction_keeps_reference_selection_and_frees_the_rest(chunk):
+    length, budget, window = 100, 24, 8
+    q, k, v = qkv(length, seed=1)
+    eng = ToyEngine("snapkv", {"budget": budget, "window": window, "kernel": 5})
+    free0 = eng.store.free_count()
+    freed = eng.prefill("a", 0, q, k, v, chunk)
+    assert freed == length - budget
+    assert eng.store.free_count() == free0 - budget  # free count rose by exactly the evicted rows
+    ret = eng.ctl.cache.retained("a")
+    assert (ret.logical_len, ret.n_rows, ret.offset) == (length, budget, length - budget)
+    for layer in range(LAYERS):
+        want = reference.snapkv_keep_indices(q[layer][-window:], k[layer], budget, window, 5)
+        assert torch.equal(ret.positions[layer], want)  # same selection, whatever the chunking
+        # row i of head h now holds the KV of logical position want[h, i]
+        for h in range(HKV):
+            torch.testing.assert_close(eng.ctl.cache.keys("a", layer)[:, h], k[layer][want[h], h])
+            torch.testing.assert_close(eng.ctl.cache.values("a", layer)[:, h], v[layer][want[h], h])
+    stats = eng.ctl.stats()
+    assert stats["counters"]["slots_released"] == length - budget
+    assert (stats["logical_tokens"], stats["retained_tokens"]) == (length, budget)
+
+
+def test_snapkv_decode_appends_after_compaction_and_nothing_leaks():
+    q, k, v = qkv(60, seed=2)
+    eng = ToyEngine("snapkv", {"budget": 20, "window": 4, "kernel": 1})
+    free0 = eng.store.free_count()
+    eng.prefill("a", 0, q, k, v, chunk=16)
+    dq, dk, dv = qkv(1, seed=3)
+    eng.decode("a", 0, dq, dk, dv)
+    ret = eng.ctl.cache.retained("a")
+    assert (ret.logical_len, ret.n_rows) == (61, 21)
+    assert ret.positions[:, :, -1].eq(60).all()  # the new token's row holds logical position 60
+    torch.testing.assert_close(eng.ctl.cache.keys("a", 1)[-1], dk[1][0])
+    eng.finish("a", 0)
+    assert eng.store.free_count() == free0
+
+
+def test_snapkv_short_prompt_is_not_compressed():
+    q, k, v = qkv(20, seed=4)
+    eng = ToyEngine("snapkv", {"budget": 32, "window": 4})
+    assert eng.prefill("a", 0, q, k, v, chunk=8) == 0
+    assert eng.ctl.cache.retained("a").is_identity
+
+
+def test_quest_view_matches_reference_pages_and_keeps_dense_layers():
+    length, page, budget = 70, 16, 32
+    q, k, v = qkv(length, seed=5)
+    eng = ToyEngine("quest", {"page_size": page, "token_budget": budget, "dense_layers": 1})
+    free0 = eng.store.free_count()
+    eng.prefill("a", 0, q, k, v, chunk=30)
+    dq, dk, dv = qkv(1, seed=6)
+    eng.views.clear()
+    eng.decode("a", 0, dq, dk, dv)
+    assert eng.store.free_count() == free0 - (length + 1)  # Quest keeps everything resident
+    views = dict(eng.views)
+    assert views[0] is None  # dense layer
+    for layer in range(1, LAYERS):
+        full_k = torch.cat([k[layer], dk[layer]])
+        full_v = torch.cat([v[layer], dv[layer]])
+        kmin, kmax = reference.quest_page_summaries(full_k, page)
+        want = reference.quest_select_pages(dq[layer][0], kmin, kmax, budget, page)
+        view = views[layer]
+        rows, valid = view.rows[0], view.valid[0]
+        got_pages = (rows[:, ::page] // page)
+        assert torch.equal(got_pages, want)
+        assert torch.equal(valid, rows < length + 1)  # rows past the partial last page are masked
+        # attention over the view == reference attention over the selected tokens
+        mask = torch.zeros(HQ, length + 1, dtype=torch.bool)
+        for h in range(HQ):
+            mask[h, rows[h][valid[h]]] = True
+        expected = reference.sparse_decode_attention(dq[layer][0], full_k, full_v, mask)
+        dense = reference.sparse_decode_attention(dq[layer][0], full_k, full_v, torch.ones_like(mask))
+        assert not torch.allclose(expected, dense)  # the selection really changes what is read
+    assert eng.ctl.stats()["counters"]["pages_selected"] == (LAYERS - 1) * HQ * 3
+    eng.finish("a", 0)
+    assert eng.store.free_count() == free0
+
+
+def test_dense_runs_every_hook_without_changes():
+    q, k, v = qkv(10, seed=7)
+    eng = ToyEngine("dense")
+    free0 = eng.store.free_count()
+    eng.prefill("a", 0, q, k, v, chunk=4)
+    assert all(view is None for _, view in eng.views)
+    assert eng.ctl.stats()["retained_tokens"] == 10
+    eng.finish("a", 0)
+    assert eng.store.free_count() == free0
+
+
+def test_registry_and_validation_messages():
+    assert {"dense", "quest", "snapkv"} <= set(method_names())
+    with pytest.raises(ConfigError, match="unknown sparse method 'snapkvv'; available: .*snapkv"):
+        get_method("snapkvv")
+    with pytest.raises(ConfigError, match=r"budget=8 is out of range: must be >= 33"):
+        build_config("snapkv", {"budget": 8, "window": 32})
+    with pytest.raises(ConfigError, match="kernel=4 must be odd"):
+        build_config("snapkv", {"kernel": 4})
+    with pytest.raises(ConfigError, match="has no option page_budget"):
+        build_config("quest", {"page_budget": 3})
+    with pytest.raises(ConfigError, match=r"page_size=0 is out of range"):
+        build_config("quest", {"page_size": 0})
