@@ -47,7 +47,7 @@ def test_complete_argv_fills_model_device_and_pool(fake_model):
     assert argv[argv.index("--device") + 1] == "cpu"
     assert int(argv[argv.index("--max-total-tokens") + 1]) >= 8192
     assert "--sleep-on-idle" in argv
-    assert any("CPU serving" in line for line in lines)
+    assert any("CPU serving" in line and "23040 B/token" in line for line in lines)  # fp32 -> fp16
 
 
 def test_complete_argv_keeps_given_flags(fake_model):

@@ -54,6 +54,9 @@ def _cpu_pool_size(model_path: str, given: argparse.Namespace) -> tuple[int, str
         return kv_budget.CPU_POOL_CAP_TOKENS, "model config not local; using the CPU cap"
     config = json.loads(config_file.read_text())
     kv_dtype = next((d for d in (given.kv_cache_dtype, given.dtype) if d and d != "auto"), None)
+    text_config = config.get("text_config", config)
+    if kv_dtype is None and str(text_config.get("torch_dtype") or text_config.get("dtype")) == "float32":
+        kv_dtype = "float16"  # SGLang's --dtype auto serves fp32 checkpoints in 16-bit
     per_token = kv_budget.kv_bytes_per_token(config, kv_dtype)
     context = given.context_length or int(
         config.get("text_config", config).get("max_position_embeddings", 8192)
