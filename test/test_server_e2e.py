@@ -138,3 +138,29 @@ def test_failed_start_shows_the_server_traceback(tmp_path, request):
     text = str(err.value)
     assert "Traceback (most recent call last)" in text
     assert "no_such_model" in text
+
+
+def test_dense_runs_through_the_contract_and_nothing_leaks(server):
+    """The default method (dense) drives the SparseController in every step, and after the cache
+    is flushed every KV slot is free again."""
+    stats = requests.get(server.base_url + "/sparse/stats", timeout=60).json()
+    assert stats["method"] == "dense"
+    assert stats["steps"] > 0  # the test module's requests went through the hooks
+    assert stats["running_requests"] == 0
+    assert requests.post(server.base_url + "/flush_cache", timeout=60).status_code == 200
+    stats = requests.get(server.base_url + "/sparse/stats", timeout=60).json()
+    assert stats["kv_free_slots"] == stats["kv_total_slots"]
+    assert stats["logical_tokens"] == stats["retained_tokens"] == 0
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--sparse-method", "snapkvv"], "unknown sparse method 'snapkvv'; available: dense, quest, snapkv"),
+    (["--sparse-method", "quest", "--sparse-token-budget", "4"], "token_budget=4 is out of range"),
+    (["--sparse-method", "quest", "--sparse-window", "8"], "sparse method 'quest' has no option window"),
+])
+def test_bad_sparse_flags_are_refused_at_start(request, flags, message):
+    from sglang_sparse.server_process import ServerStartError
+
+    with pytest.raises(ServerStartError) as err:
+        start_server(flags, request, timeout=120)
+    assert f"sglang_sparse: error: {message}" in str(err.value)

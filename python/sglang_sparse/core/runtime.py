@@ -35,6 +35,9 @@ class SparseMethodRuntime:
     """Base class. Subclasses set ``name`` and usually override a few hooks."""
 
     name = "base"
+    # Capabilities the engine adapter checks (never the method's name):
+    changes_attention = True  # False: attention may run without the sparse backend (pass-through)
+    evicts_kv = False  # True: releases KV slots during a request (needs physical eviction support)
 
     def __init__(self, cache: CacheManager, oracle: MemoryOracle | None = None) -> None:
         self.cache = cache

@@ -119,3 +119,14 @@ def sparse_decode_attention(
     logits = torch.einsum("hd,thd->ht", q.float(), kq) / math.sqrt(d)
     logits = logits.masked_fill(~token_mask, float("-inf"))
     return torch.einsum("ht,thd->hd", torch.softmax(logits, dim=-1), vq).to(q.dtype)
+
+
+def gathered_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Decode attention over per-head gathered rows.
+    q: ``[H_q, d]``, k/v: ``[H_q, n, d]`` (already gathered for each query head's KV head),
+    valid: ``[H_q, n]`` bool (False = padding). Returns ``[H_q, d]`` in q's dtype."""
+    logits = torch.einsum("hd,hnd->hn", q.float(), k.float()) * scale
+    logits = logits.masked_fill(~valid, float("-inf"))
+    return torch.einsum("hn,hnd->hd", torch.softmax(logits, dim=-1), v.float()).to(q.dtype)

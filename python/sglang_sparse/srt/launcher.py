@@ -1,6 +1,8 @@
 """``python -m sglang_sparse.launch_server [SGLang flags]``: SGLang's own server with sglang_sparse.
 
-Every SGLang flag is passed through unchanged. Added defaults, each announced in one log line:
+Every SGLang flag is passed through unchanged; sglang_sparse's own flags (``--sparse-method`` and
+``--sparse-<option>``, see ``sglang_sparse.config``) are taken out first and validated before
+anything starts. Added defaults, each announced in one log line:
 - no ``--model-path``: the embedded default model (SmolLM2-135M-Instruct, see ``default_model``);
 - no ``--device`` and no GPU: ``--device cpu``;
 - on a CPU without ``--max-total-tokens``: a KV pool sized to the machine (``core.kv_budget``);
@@ -16,8 +18,10 @@ import os
 import sys
 from pathlib import Path
 
+from sglang_sparse.config import parse_sparse_args
 from sglang_sparse.core import kv_budget
 from sglang_sparse.default_model import DefaultModelError, ensure_default_model
+from sglang_sparse.registry import ConfigError, get_method
 from sglang_sparse.srt import activation
 
 logger = logging.getLogger("sglang_sparse.launch_server")
@@ -33,6 +37,7 @@ def _given_flags(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--kv-cache-dtype")
     parser.add_argument("--context-length", type=int)
     parser.add_argument("--sleep-on-idle", action="store_true")
+    parser.add_argument("--attention-backend")
     known, _ = parser.parse_known_args(argv)
     return known
 
@@ -102,14 +107,37 @@ def complete_argv(argv: list[str], log=logger.info) -> list[str]:
     return argv
 
 
+def sparse_config(argv: list[str], log=logger.info) -> tuple[dict, list[str]]:
+    """Take the sglang_sparse flags out of argv and check the method can run with the rest.
+    Raises ConfigError with a sentence saying what is wrong."""
+    config, argv = parse_sparse_args(argv)
+    runtime = get_method(config["method"]).runtime_cls
+    if runtime.evicts_kv:
+        raise ConfigError(
+            f"--sparse-method {config['method']} evicts KV physically, which this server does not "
+            "support yet (the engine-agnostic method is tested; its SGLang binding is pending)"
+        )
+    backend = _given_flags(argv).attention_backend
+    if runtime.changes_attention and backend not in (None, "torch_native"):
+        raise ConfigError(
+            f"--sparse-method {config['method']} needs --attention-backend torch_native "
+            f"(got {backend}); sparse kernels for other backends are not available yet"
+        )
+    if runtime.changes_attention and backend is None:
+        argv += ["--attention-backend", "torch_native"]
+    log(f"sglang_sparse: method {config['method']} {config['options']}")
+    return config, argv
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        config, argv = sparse_config(argv)
         argv = complete_argv(argv)
-    except DefaultModelError as err:
-        sys.exit(f"sglang_sparse: {err}")
-    activation.export_config({})
+    except (ConfigError, DefaultModelError) as err:
+        sys.exit(f"sglang_sparse: error: {err}")
+    activation.export_config(config)
 
     from sglang.launch_server import run_server
     from sglang.srt.plugins import load_plugins

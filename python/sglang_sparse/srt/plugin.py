@@ -13,6 +13,7 @@ This is the single place where sglang_sparse registers itself with SGLang.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 
 from sglang_sparse.srt import activation, platform, status
 
@@ -34,4 +35,17 @@ def load() -> None:
     status.register_scheduler_status()
     status.REGISTRATIONS.append("hook:scheduler-internal-state")
     status.register_routes()
+    if multiprocessing.current_process().name != "MainProcess":
+        _register_runtime()
     logger.info("sglang_sparse plugin loaded: %s", ", ".join(status.REGISTRATIONS))
+
+
+def _register_runtime() -> None:
+    """Scheduler-side: the attention backend that drives the controller, and the step hooks."""
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+
+    from sglang_sparse.srt import attention, step_hooks
+
+    register_attention_backend("torch_native")(attention.create_backend)
+    status.REGISTRATIONS.append("attention-backend:torch_native")
+    status.REGISTRATIONS.extend(step_hooks.register())

@@ -36,8 +36,31 @@ def process_record() -> dict:
     }
 
 
-def _add_scheduler_record(result, *args, **kwargs):
-    result.internal_state["sglang_sparse"] = process_record()
+def scheduler_stats(scheduler) -> dict | None:
+    """KV accounting of one scheduler plus its controller's view (None if no method runs)."""
+    from sglang_sparse.srt import state
+
+    if state.controller is None:
+        return None
+    stats = state.controller.stats()
+    cached = int(scheduler.tree_cache.evictable_size())  # radix-cached, unreferenced tokens
+    return {
+        "method": stats["method"],
+        "kv_total_slots": int(scheduler.max_total_num_tokens),
+        "kv_free_slots": int(scheduler.token_to_kv_pool_allocator.available_size()),
+        # running requests (controller) + cached prefixes; cached KV is never sparse yet
+        "logical_tokens": stats["logical_tokens"] + cached,
+        "retained_tokens": stats["retained_tokens"] + cached,
+        "running_requests": len(state.controller.cache.requests),
+        "steps": stats["steps"],
+        "counters": stats["counters"],
+    }
+
+
+def _add_scheduler_record(result, controller, *args, **kwargs):
+    record = process_record()
+    record["stats"] = scheduler_stats(controller.scheduler)
+    result.internal_state["sglang_sparse"] = record
     return result
 
 
@@ -59,6 +82,15 @@ async def sparse_info():
     }
 
 
+async def sparse_stats():
+    """GET /sparse/stats: KV accounting and method counters of scheduler 0 (``per_rank`` all)."""
+    from sglang.srt.entrypoints.http_server import get_global_state
+
+    states = await get_global_state().tokenizer_manager.get_internal_state()
+    per_rank = [(s.get("sglang_sparse") or {}).get("stats") for s in states]
+    return {**(per_rank[0] or {}), "per_rank": per_rank}
+
+
 def register_routes() -> None:
     """Admin routes live in the HTTP server, i.e. the main process only."""
     if multiprocessing.current_process().name != "MainProcess":
@@ -66,4 +98,5 @@ def register_routes() -> None:
     from sglang.srt.entrypoints.http_server import app
 
     app.add_api_route("/sparse/info", sparse_info, methods=["GET"])
-    REGISTRATIONS.append("route:/sparse/info")
+    app.add_api_route("/sparse/stats", sparse_stats, methods=["GET"])
+    REGISTRATIONS.extend(["route:/sparse/info", "route:/sparse/stats"])

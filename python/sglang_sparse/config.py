@@ -1,0 +1,47 @@
+"""Server flags of sglang_sparse, derived from the method registry (engine-agnostic).
+
+``--sparse-method NAME`` picks a registered method; every option of every method's config
+dataclass becomes ``--sparse-<option>`` (underscores as dashes). An option the chosen method
+does not have is refused, and each method validates its own values (``registry.ConfigError``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from sglang_sparse.registry import ConfigError, build_config, get_method, method_names
+
+DEFAULT_METHOD = "dense"
+
+
+def _options() -> dict[str, type]:
+    opts: dict[str, type] = {}
+    for name in method_names():
+        for f in dataclasses.fields(get_method(name).config_cls):
+            opts[f.name] = type(f.default) if f.default is not dataclasses.MISSING else str
+    return opts
+
+
+def add_sparse_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sglang_sparse")
+    group.add_argument("--sparse-method", default=DEFAULT_METHOD,
+                       help=f"sparse method: {', '.join(method_names())} (default {DEFAULT_METHOD})")
+    for opt, typ in sorted(_options().items()):
+        group.add_argument(f"--sparse-{opt.replace('_', '-')}", dest=f"sparse_opt_{opt}", type=typ,
+                           default=None, help=f"method option {opt}")
+
+
+def parse_sparse_args(argv: list[str]) -> tuple[dict, list[str]]:
+    """Split argv into the sglang_sparse config ``{"method", "options"}`` and the rest (for SGLang).
+    Raises ConfigError with a sentence naming the bad value."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_sparse_args(parser)
+    try:
+        ns, rest = parser.parse_known_args(argv)
+    except SystemExit:
+        raise ConfigError("bad sglang_sparse flag value (see the message above)") from None
+    given = {k.removeprefix("sparse_opt_"): v for k, v in vars(ns).items()
+             if k.startswith("sparse_opt_") and v is not None}
+    config = build_config(ns.sparse_method, given)
+    return {"method": ns.sparse_method, "options": dataclasses.asdict(config)}, rest

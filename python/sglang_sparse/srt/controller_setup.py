@@ -1,0 +1,26 @@
+"""Build this scheduler's SparseController from the configuration the launcher exported."""
+
+from __future__ import annotations
+
+import logging
+
+from sglang_sparse.core.cache_manager import CacheManager
+from sglang_sparse.core.controller import SparseController
+from sglang_sparse.registry import build_config, get_method
+from sglang_sparse.srt import activation, state
+from sglang_sparse.srt.kv_store import SGLangKVStore
+
+logger = logging.getLogger("sglang_sparse")
+
+
+def ensure_controller(model_runner) -> SparseController:
+    if state.controller is None:
+        config = activation.load_config()
+        method = config.get("method", "dense")
+        spec = get_method(method)
+        store = SGLangKVStore(model_runner)
+        kv_heads = model_runner.token_to_kv_pool.head_num
+        runtime = spec.runtime_cls(CacheManager(store, kv_heads), build_config(method, config.get("options")))
+        state.controller = SparseController(runtime)
+        logger.info("sglang_sparse: method %s %s", method, config.get("options"))
+    return state.controller

@@ -1,0 +1,31 @@
+"""``KVStore`` over SGLang's KV pool, ``req_to_token`` table and allocator."""
+
+from __future__ import annotations
+
+import torch
+
+
+class SGLangKVStore:
+    def __init__(self, model_runner) -> None:
+        self.pool = model_runner.token_to_kv_pool
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.allocator = model_runner.token_to_kv_pool_allocator
+        self.num_layers = model_runner.model_config.num_hidden_layers
+
+    def k_buffer(self, layer: int) -> torch.Tensor:
+        return self.pool.get_key_buffer(layer)
+
+    def v_buffer(self, layer: int) -> torch.Tensor:
+        return self.pool.get_value_buffer(layer)
+
+    def row_slots(self, req_row: int, start: int, end: int) -> torch.Tensor:
+        return self.req_to_token[req_row, start:end].to(torch.int64)
+
+    def free_slots(self, slots: torch.Tensor) -> None:
+        self.allocator.free(slots)
+
+    def free_count(self) -> int:
+        return self.allocator.available_size()
+
+    def truncate_rows(self, req_row: int, n_rows: int) -> None:
+        raise NotImplementedError("physical eviction is not wired into the SGLang server yet")

@@ -1,0 +1,13 @@
+"""Per-process sglang_sparse state in the scheduler process: the controller and the current step.
+
+One scheduler (one model runner) per process, so a module-level holder is enough; it is created
+by the attention backend when SGLang builds it (after the KV pool exists).
+"""
+
+from __future__ import annotations
+
+from sglang_sparse.core.controller import SparseController
+from sglang_sparse.core.events import StepInfo
+
+controller: SparseController | None = None
+current_step: StepInfo | None = None
