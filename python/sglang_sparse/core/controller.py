@@ -54,9 +54,10 @@ class SparseController:
     def end_step(self, step: StepInfo) -> None:
         self.runtime.finish_step(step)
 
-    def safe_point(self) -> int:
-        """Between steps, when no forward reads the KV: apply planned compactions."""
-        return self.runtime.apply_pending()
+    def safe_point(self, only: set[str] | None = None) -> int:
+        """Between steps, when no forward reads the KV: apply planned compactions (for the
+        requests in ``only``, None: all). Returns slots freed."""
+        return self.runtime.apply_pending(only)
 
     # -- observability -----------------------------------------------------------------------
     def stats(self) -> dict:

@@ -77,6 +77,7 @@ class SparseMethodRuntime:
     def finish_step(self, step: StepInfo) -> None:
         """Once per forward, after the model ran: update statistics, plan compactions."""
 
-    def apply_pending(self) -> int:
-        """At the engine's safe point: apply planned physical changes. Returns slots freed."""
+    def apply_pending(self, only: set[str] | None = None) -> int:
+        """At the engine's safe point: apply planned physical changes, for the requests in
+        ``only`` (None: all); the rest stay planned. Returns slots freed."""
         return 0

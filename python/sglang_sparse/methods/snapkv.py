@@ -74,12 +74,14 @@ class SnapKVRuntime(SparseMethodRuntime):
             if r.is_last_prompt_chunk and r.prompt_len > self.config.budget:
                 self.pending.append(r.rid)
 
-    def apply_pending(self) -> int:
-        freed = 0
+    def apply_pending(self, only: set[str] | None = None) -> int:
+        freed, waiting = 0, []
         for rid in self.pending:
-            if rid in self.cache.requests:
+            if only is not None and rid not in only:
+                waiting.append(rid)
+            elif rid in self.cache.requests:  # gone: finished before its safe point
                 freed += self._compact(rid)
-        self.pending.clear()
+        self.pending = waiting
         return freed
 
     def _compact(self, rid: str) -> int:

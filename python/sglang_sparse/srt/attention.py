@@ -19,6 +19,14 @@ from sglang_sparse.srt import state
 
 
 class SparseTorchNativeBackend(TorchNativeAttnBackend):
+    def init_forward_metadata(self, forward_batch):
+        super().init_forward_metadata(forward_batch)
+        if state.pos_offset is not None and forward_batch.forward_mode.is_decode():
+            # Logical RoPE positions for rows whose earlier KV was evicted (see state.pos_offset).
+            forward_batch.positions = forward_batch.positions + state.pos_offset[
+                forward_batch.req_pool_indices
+            ].to(forward_batch.positions.dtype)
+
     def _write_kv(self, k, v, layer, forward_batch) -> None:
         self.token_to_kv_pool.set_kv_buffer(
             layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v

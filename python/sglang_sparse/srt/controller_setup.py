@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from sglang_sparse.core.cache_manager import CacheManager
 from sglang_sparse.core.controller import SparseController
 from sglang_sparse.registry import build_config, get_method
@@ -22,5 +24,7 @@ def ensure_controller(model_runner) -> SparseController:
         kv_heads = model_runner.token_to_kv_pool.head_num
         runtime = spec.runtime_cls(CacheManager(store, kv_heads), build_config(method, config.get("options")))
         state.controller = SparseController(runtime)
+        rows = model_runner.req_to_token_pool.req_to_token.shape[0]
+        state.pos_offset = torch.zeros(rows, dtype=torch.int64, device=model_runner.device)
         logger.info("sglang_sparse: method %s %s", method, config.get("options"))
     return state.controller

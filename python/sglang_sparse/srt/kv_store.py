@@ -28,4 +28,5 @@ class SGLangKVStore:
         return self.allocator.available_size()
 
     def truncate_rows(self, req_row: int, n_rows: int) -> None:
-        raise NotImplementedError("physical eviction is not wired into the SGLang server yet")
+        """Nothing to do on the table: rows ``[0, n_rows)`` keep their slots. SGLang's per-request
+        lengths are patched by ``step_hooks.before_prepare_for_decode`` right after."""

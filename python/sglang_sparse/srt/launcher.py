@@ -113,10 +113,14 @@ def sparse_config(argv: list[str], log=logger.info) -> tuple[dict, list[str]]:
     config, argv = parse_sparse_args(argv)
     runtime = get_method(config["method"]).runtime_cls
     if runtime.evicts_kv:
-        raise ConfigError(
-            f"--sparse-method {config['method']} evicts KV physically, which this server does not "
-            "support yet (the engine-agnostic method is tested; its SGLang binding is pending)"
-        )
+        # Compaction happens between steps and rows stop matching logical tokens (see
+        # srt/step_hooks.py): no overlap scheduler, no mixed chunks, no radix insertion.
+        if "--enable-mixed-chunk" in argv:
+            raise ConfigError(f"--sparse-method {config['method']} evicts KV and cannot run with --enable-mixed-chunk")
+        for flag in ("--disable-radix-cache", "--disable-overlap-schedule"):
+            if flag not in argv:
+                argv.append(flag)
+                log(f"sglang_sparse: {config['method']} evicts KV physically; added {flag}")
     backend = _given_flags(argv).attention_backend
     if runtime.changes_attention and backend not in (None, "torch_native"):
         raise ConfigError(

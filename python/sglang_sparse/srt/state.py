@@ -6,8 +6,13 @@ by the attention backend when SGLang builds it (after the KV pool exists).
 
 from __future__ import annotations
 
+import torch
+
 from sglang_sparse.core.controller import SparseController
 from sglang_sparse.core.events import StepInfo
 
 controller: SparseController | None = None
 current_step: StepInfo | None = None
+# Per request row: logical length minus resident rows (tokens whose KV was evicted). Decode RoPE
+# positions are ``seq_lens - 1 + pos_offset[row]`` (SGLang's seq_lens counts resident rows).
+pos_offset: torch.Tensor | None = None

@@ -3,8 +3,16 @@
 - AROUND ``TpModelWorker.forward_batch_generation``: translate the ScheduleBatch into a
   ``StepInfo`` (logical ranges per request), ``begin_step`` before the model runs, ``end_step`` and
   the safe point after it.
+- BEFORE ``ScheduleBatch.prepare_for_decode`` and ``Scheduler.get_new_batch_prefill``: the safe point. The previous step's results are
+  processed (finished requests released), nothing reads the KV, and the next decode slots are
+  not allocated yet: planned compactions run here, and SGLang's per-request lengths follow the
+  resident rows (``seq_lens`` = rows, the logical rest goes to ``state.pos_offset``).
 - BEFORE ``mem_cache.common.release_kv_cache``: the request leaves (finished, aborted, retracted);
-  its method state is dropped before SGLang frees its rows.
+  its method state is dropped before SGLang frees its rows ``[0, kv_allocated_len)``.
+
+Physical eviction needs the overlap scheduler, mixed chunks and the radix cache off (the
+launcher sees to it): compaction between an in-flight forward and its result, or a compacted row
+inserted into the radix tree, would be wrong.
 """
 
 from __future__ import annotations
@@ -14,18 +22,23 @@ from sglang_sparse.srt import state
 
 FORWARD_TARGET = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
 RELEASE_TARGET = "sglang.srt.mem_cache.common.release_kv_cache"
+DECODE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode"
+PREFILL_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
 
 
-def step_from_batch(batch, step_id: int) -> StepInfo | None:
+def step_from_batch(batch, ctl) -> StepInfo | None:
     mode = batch.forward_mode
     if mode.is_idle() or not batch.reqs:
         return None
     slices = []
     if mode.is_decode():
-        # seq_lens already counts the token being decoded: it sits at logical position seq_len-1.
+        # seq_lens counts resident rows incl. the token being decoded, which is written to row
+        # seq_len-1; its logical position adds the request's evicted-token offset.
         for req, seq_len in zip(batch.reqs, batch.seq_lens_cpu.tolist()):
-            slices.append(RequestSlice(req.rid, req.kv.req_pool_idx, seq_len - 1, seq_len, seq_len - 1,
-                                       len(req.origin_input_ids)))
+            known = ctl.cache.requests.get(req.rid)
+            offset = known.retained.offset if known is not None else 0
+            slices.append(RequestSlice(req.rid, req.kv.req_pool_idx, seq_len - 1 + offset,
+                                       seq_len + offset, seq_len - 1, len(req.origin_input_ids)))
         kind = StepMode.DECODE
     elif mode.name in ("EXTEND", "MIXED"):  # speculative verify modes are not supported
         for req, prefix, extend in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
@@ -34,12 +47,12 @@ def step_from_batch(batch, step_id: int) -> StepInfo | None:
         kind = StepMode.MIXED if mode.is_mixed() else StepMode.PREFILL
     else:
         return None
-    return StepInfo(step_id, kind, tuple(slices))
+    return StepInfo(ctl.steps, kind, tuple(slices))
 
 
 def around_forward(original, worker, batch=None, *args, **kwargs):
     ctl = state.controller
-    step = step_from_batch(batch, ctl.steps) if (ctl is not None and batch is not None) else None
+    step = step_from_batch(batch, ctl) if (ctl is not None and batch is not None) else None
     if step is None:
         return original(worker, batch, *args, **kwargs)
     for r in step.requests:
@@ -56,13 +69,48 @@ def around_forward(original, worker, batch=None, *args, **kwargs):
     finally:
         state.current_step = None
     ctl.end_step(step)
-    ctl.safe_point()
     return result
+
+
+def apply_safe_point(batch) -> None:
+    """Run planned compactions, then make ``batch``'s per-request lengths follow resident rows."""
+    ctl = state.controller
+    if ctl is None or batch is None or not batch.reqs:
+        return
+    if ctl.safe_point({req.rid for req in batch.reqs}) == 0:
+        return
+    seq_lens, seq_lens_cpu, orig = batch.seq_lens.clone(), batch.seq_lens_cpu.clone(), batch.orig_seq_lens.clone()
+    for i, req in enumerate(batch.reqs):
+        known = ctl.cache.requests.get(req.rid)
+        if known is None or known.retained.n_rows == req.kv.kv_allocated_len:
+            continue
+        rows = known.retained.n_rows  # compacted: the request now owns rows [0, rows)
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = rows
+        seq_lens[i] = seq_lens_cpu[i] = orig[i] = rows
+        state.pos_offset[req.kv.req_pool_idx] = known.retained.offset
+    # New tensors, never in place: queued copies of the batch may share the old ones.
+    batch.seq_lens, batch.seq_lens_cpu, batch.orig_seq_lens = seq_lens, seq_lens_cpu, orig
+    batch.seq_lens_sum = None
+
+
+def before_prepare_for_decode(batch, *args, **kwargs):
+    apply_safe_point(batch)
+    return None
+
+
+def before_new_prefill(scheduler, running_batch=None, *args, **kwargs):
+    """Prefill has priority over decode: without this, a burst of long prompts would hold their
+    full KV until the next decode step. Here the last prefill batch is already merged into the
+    running batch and its results are processed."""
+    apply_safe_point(running_batch)
+    return None
 
 
 def before_release(req, *args, **kwargs):
     if state.controller is not None:
         state.controller.request_finished(req.rid)
+        if req.kv.req_pool_idx is not None:
+            state.pos_offset[req.kv.req_pool_idx] = 0
     return None
 
 
@@ -71,4 +119,6 @@ def register() -> list[str]:
 
     HookRegistry.register(FORWARD_TARGET, around_forward, HookType.AROUND)
     HookRegistry.register(RELEASE_TARGET, before_release, HookType.BEFORE)
-    return ["hook:forward-step", "hook:release-kv"]
+    HookRegistry.register(DECODE_TARGET, before_prepare_for_decode, HookType.BEFORE)
+    HookRegistry.register(PREFILL_TARGET, before_new_prefill, HookType.BEFORE)
+    return ["hook:forward-step", "hook:release-kv", "hook:decode-safe-point"]
