@@ -175,3 +175,9 @@ def test_registry_and_validation_messages():
         build_config("quest", {"page_budget": 3})
     with pytest.raises(ConfigError, match=r"page_size=0 is out of range"):
         build_config("quest", {"page_size": 0})
+
+
+def test_layer_hooks_are_skipped_only_for_runtimes_without_any():
+    assert not ToyEngine("dense").ctl.layer_hooks
+    assert ToyEngine("quest").ctl.layer_hooks
+    assert ToyEngine("snapkv").ctl.layer_hooks

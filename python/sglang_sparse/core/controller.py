@@ -14,11 +14,20 @@ from sglang_sparse.core.runtime import SparseMethodRuntime
 from sglang_sparse.core.views import DecodeView
 
 
+LAYER_HOOKS = ("before_attention", "on_prefill_chunk", "build_decode_selection",
+               "after_attention", "on_layer_end")
+
+
 class SparseController:
     def __init__(self, runtime: SparseMethodRuntime) -> None:
         self.runtime = runtime
         self.cache = runtime.cache
         self.steps = 0
+        # A runtime that overrides no per-layer hook (dense) lets the adapter skip the per-layer
+        # calls entirely: default hooks are no-ops, so skipping them changes nothing.
+        self.layer_hooks = any(
+            getattr(type(runtime), h) is not getattr(SparseMethodRuntime, h) for h in LAYER_HOOKS
+        )
 
     # -- requests ----------------------------------------------------------------------------
     def request_started(self, rid: str, req_row: int, prompt_len: int, cached_len: int = 0) -> None:

@@ -45,6 +45,7 @@ class SparseTorchNativeBackend(TorchNativeAttnBackend):
     def _hooked(self, q, k, v, layer, forward_batch, save_kv_cache) -> bool:
         return (
             state.controller is not None
+            and state.controller.layer_hooks
             and state.current_step is not None
             and save_kv_cache
             and k is not None
