@@ -27,7 +27,7 @@ from pathlib import Path
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_json  # noqa: E402
+from common import stream_generate, write_json  # noqa: E402
 
 from sglang_sparse.server_process import ServerProcess
 
@@ -38,30 +38,14 @@ METHODS = {
 }
 
 
-def stream_times(base_url: str, ids: list[int], n: int) -> list[float]:
-    """Arrival time of every generated token of one streamed request."""
-    body = {"input_ids": ids, "stream": True,
-            "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}}
-    times: list[float] = []
-    seen = 0
-    with requests.post(base_url + "/generate", json=body, stream=True, timeout=3600) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                continue
-            count = json.loads(line[5:])["meta_info"]["completion_tokens"]
-            now = time.monotonic()
-            times += [now] * (count - seen)
-            seen = count
-    return times
-
-
 def decode_window(base_url: str, c: int, prompt_len: int, warmup: int, window: int, seed: int) -> dict:
     rng = random.Random(seed)
     prompts = [[rng.randrange(1000, 30000) for _ in range(prompt_len)] for _ in range(c)]
     out: list[list[float]] = [[] for _ in range(c)]
-    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, stream_times(base_url, prompts[i], warmup + window + 2)))
-               for i in range(c)]
+    def run(i: int) -> None:
+        out[i] = stream_generate(base_url, prompts[i], warmup + window + 2)["times"]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(c)]
     for t in threads:
         t.start()
     for t in threads:

@@ -14,26 +14,25 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def stream_generate(base_url: str, input_ids: list[int], max_new_tokens: int) -> dict:
-    """One streamed /generate request; returns ttft (s), end (s, monotonic) and token count."""
+    """One streamed /generate request (greedy, ignore_eos). Returns the arrival time of every
+    generated token (``times``, monotonic seconds), ``ttft`` (s), ``end`` and ``tokens``."""
     body = {
         "input_ids": input_ids,
         "stream": True,
         "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
     }
     start = time.monotonic()
-    first = None
-    last = None
-    with requests.post(base_url + "/generate", json=body, stream=True, timeout=1800) as resp:
+    times: list[float] = []
+    with requests.post(base_url + "/generate", json=body, stream=True, timeout=3600) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
             if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
                 continue
+            count = json.loads(line[5:])["meta_info"]["completion_tokens"]
             now = time.monotonic()
-            first = first or now
-            last = json.loads(line[5:])
-    tokens = last["meta_info"]["completion_tokens"]
-    end = time.monotonic()
-    return {"start": start, "first": first, "end": end, "ttft": first - start, "tokens": tokens}
+            times += [now] * (count - len(times))  # a chunk may carry several tokens
+    return {"start": start, "first": times[0], "end": time.monotonic(), "ttft": times[0] - start,
+            "tokens": len(times), "times": times}
 
 
 def concurrent_decode(base_url: str, prompts: list[list[int]], max_new_tokens: int) -> dict:
