@@ -109,7 +109,7 @@ def before_new_prefill(scheduler, running_batch=None, *args, **kwargs):
 def before_release(req, *args, **kwargs):
     if state.controller is not None:
         state.controller.request_finished(req.rid)
-        if req.kv.req_pool_idx is not None:
+        if state.pos_offset is not None and req.kv.req_pool_idx is not None:
             state.pos_offset[req.kv.req_pool_idx] = 0
     return None
 
