@@ -62,7 +62,7 @@ class CacheManager:
         if budget >= ret.n_rows:
             return 0
         src_rows = ret.rows_of(keep)  # [layers, heads, B], each >= its destination row
-        slots = self.store.row_slots(state.req_row, 0, ret.n_rows).to(torch.int64)
+        slots = self._resident_slots(state)
         dst = slots[:budget].expand(heads, budget)
         head_ix = torch.arange(heads, device=slots.device).view(heads, 1)
         for layer in range(layers):
@@ -82,16 +82,17 @@ class CacheManager:
     def retained(self, rid: str) -> RetainedMap:
         return self.requests[rid].retained
 
+    def _resident_slots(self, state: RequestState) -> torch.Tensor:
+        """Slots of the request's resident rows ``[0, n_rows)``, in row order."""
+        return self.store.row_slots(state.req_row, 0, state.retained.n_rows).to(torch.int64)
+
     def keys(self, rid: str, layer: int) -> torch.Tensor:
         """Resident keys of a request in row order: ``[n_rows, kv_heads, d]``."""
-        state = self.requests[rid]
-        slots = self.store.row_slots(state.req_row, 0, state.retained.n_rows).to(torch.int64)
-        return self.store.k_buffer(layer)[slots]
+        return self.store.k_buffer(layer)[self._resident_slots(self.requests[rid])]
 
     def values(self, rid: str, layer: int) -> torch.Tensor:
-        state = self.requests[rid]
-        slots = self.store.row_slots(state.req_row, 0, state.retained.n_rows).to(torch.int64)
-        return self.store.v_buffer(layer)[slots]
+        """Resident values of a request in row order: ``[n_rows, kv_heads, d]``."""
+        return self.store.v_buffer(layer)[self._resident_slots(self.requests[rid])]
 
     def totals(self) -> dict[str, int]:
         return {

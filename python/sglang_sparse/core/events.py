@@ -13,6 +13,7 @@ Index conventions used everywhere in sglang_sparse:
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,7 @@ class StepInfo:
     mode: StepMode
     requests: tuple[RequestSlice, ...]
 
-    @property
+    @functools.cached_property  # read per request per layer; the step never changes
     def token_offsets(self) -> tuple[int, ...]:
         offsets, acc = [], 0
         for r in self.requests:

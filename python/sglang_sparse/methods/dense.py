@@ -17,6 +17,7 @@ class DenseConfig:
 @register_method("dense", "none", DenseConfig, "full attention over the full KV cache")
 class DenseRuntime(SparseMethodRuntime):
     changes_attention = False
+
     def __init__(self, cache, config: DenseConfig | None = None) -> None:
         super().__init__(cache)
         self.config = config or DenseConfig()

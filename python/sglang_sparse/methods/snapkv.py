@@ -46,6 +46,7 @@ class SnapKVConfig:
 @register_method("snapkv", "eviction", SnapKVConfig, "observation-window prompt selection + compaction")
 class SnapKVRuntime(SparseMethodRuntime):
     evicts_kv = True
+
     def __init__(self, cache, config: SnapKVConfig | None = None) -> None:
         self.config = config or SnapKVConfig()
         super().__init__(cache, MemoryOracle(retained_budget=self.config.budget))

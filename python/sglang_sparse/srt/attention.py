@@ -42,7 +42,7 @@ class SparseTorchNativeBackend(TorchNativeAttnBackend):
             v.reshape(-1, layer.tp_k_head_num, layer.v_head_dim),
         )
 
-    def _hooked(self, q, k, v, layer, forward_batch, save_kv_cache) -> bool:
+    def _hooked(self, k, layer, save_kv_cache) -> bool:
         return (
             state.controller is not None
             and state.controller.layer_hooks
@@ -53,7 +53,7 @@ class SparseTorchNativeBackend(TorchNativeAttnBackend):
         )
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        if not self._hooked(q, k, v, layer, forward_batch, save_kv_cache):
+        if not self._hooked(k, layer, save_kv_cache):
             return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         self._write_kv(k, v, layer, forward_batch)
         inp = self._layer_input(q, k, v, layer)
@@ -63,7 +63,7 @@ class SparseTorchNativeBackend(TorchNativeAttnBackend):
         return o
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        if not self._hooked(q, k, v, layer, forward_batch, save_kv_cache):
+        if not self._hooked(k, layer, save_kv_cache):
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         self._write_kv(k, v, layer, forward_batch)
         inp = self._layer_input(q, k, v, layer)

@@ -63,9 +63,7 @@ def _cpu_pool_size(model_path: str, given: argparse.Namespace) -> tuple[int, str
     if kv_dtype is None and str(text_config.get("torch_dtype") or text_config.get("dtype")) == "float32":
         kv_dtype = "float16"  # SGLang's --dtype auto serves fp32 checkpoints in 16-bit
     per_token = kv_budget.kv_bytes_per_token(config, kv_dtype)
-    context = given.context_length or int(
-        config.get("text_config", config).get("max_position_embeddings", 8192)
-    )
+    context = given.context_length or int(text_config.get("max_position_embeddings", 8192))
     avail = _available_memory_bytes()
     tokens = kv_budget.cpu_pool_tokens(per_token, avail, context)
     why = (

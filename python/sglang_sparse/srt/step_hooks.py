@@ -1,12 +1,13 @@
 """Scheduler-side hooks that drive the SparseController once per forward step.
 
 - AROUND ``TpModelWorker.forward_batch_generation``: translate the ScheduleBatch into a
-  ``StepInfo`` (logical ranges per request), ``begin_step`` before the model runs, ``end_step`` and
-  the safe point after it.
-- BEFORE ``ScheduleBatch.prepare_for_decode`` and ``Scheduler.get_new_batch_prefill``: the safe point. The previous step's results are
-  processed (finished requests released), nothing reads the KV, and the next decode slots are
-  not allocated yet: planned compactions run here, and SGLang's per-request lengths follow the
-  resident rows (``seq_lens`` = rows, the logical rest goes to ``state.pos_offset``).
+  ``StepInfo`` (logical ranges per request), ``begin_step`` before the model runs, ``end_step``
+  after it.
+- BEFORE ``ScheduleBatch.prepare_for_decode`` and ``Scheduler.get_new_batch_prefill``: the safe
+  point. The previous step's results are processed (finished requests released), nothing reads
+  the KV, and the next slots are not allocated yet: planned compactions run here, and SGLang's
+  per-request lengths follow the resident rows (``seq_lens`` = rows, the logical rest goes to
+  ``state.pos_offset``).
 - BEFORE ``mem_cache.common.release_kv_cache``: the request leaves (finished, aborted, retracted);
   its method state is dropped before SGLang frees its rows ``[0, kv_allocated_len)``.
 
@@ -121,4 +122,4 @@ def register() -> list[str]:
     HookRegistry.register(RELEASE_TARGET, before_release, HookType.BEFORE)
     HookRegistry.register(DECODE_TARGET, before_prepare_for_decode, HookType.BEFORE)
     HookRegistry.register(PREFILL_TARGET, before_new_prefill, HookType.BEFORE)
-    return ["hook:forward-step", "hook:release-kv", "hook:decode-safe-point"]
+    return ["hook:forward-step", "hook:release-kv", "hook:decode-safe-point", "hook:prefill-safe-point"]
