@@ -11,6 +11,9 @@ and ``/sparse/stats`` is polled; the peak number of requests resident together i
 
     python benchmark/bench_methods.py                    # CPU defaults (short, see --help)
     python benchmark/bench_methods.py --prompt-len 4096 --concurrency 1 4 16
+    # GPU, SmolLM2-shaped random weights, the same attention path for every method:
+    python benchmark/bench_methods.py --model-path DIR --prompt-len 8150 --concurrency 1 4 16 \
+        --out methods_h200.json -- --load-format dummy --attention-backend torch_native --disable-cuda-graph
 """
 
 from __future__ import annotations
@@ -81,19 +84,22 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=24)
     ap.add_argument("--residency-requests", type=int, default=12)
     ap.add_argument("--residency-pool", type=int, default=4096)
+    ap.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     ap.add_argument("--out", default="methods_cpu.json")
+    ap.add_argument("extra", nargs="*", help="extra SGLang flags for every server (after --)")
     args = ap.parse_args()
+    common = (["--model-path", args.model_path] if args.model_path else []) + args.extra
 
     results: dict[str, dict] = {}
     new = args.warmup + args.window + 2
     pool = max(args.concurrency) * (args.prompt_len + new) + 1024
     for name in args.methods:
-        flags = METHODS[name] + ["--max-total-tokens", str(pool), "--log-level", "warning"]
+        flags = METHODS[name] + common + ["--max-total-tokens", str(pool), "--log-level", "warning"]
         with ServerProcess(flags) as srv:
             decode_window(srv.base_url, 1, 64, 2, 4, seed=0)  # discarded workload
             res = {f"decode_tok_s@{c}": decode_window(srv.base_url, c, args.prompt_len, args.warmup, args.window, seed=c)
                    for c in args.concurrency}
-        flags = METHODS[name] + ["--max-total-tokens", str(args.residency_pool), "--log-level", "warning"]
+        flags = METHODS[name] + common + ["--max-total-tokens", str(args.residency_pool), "--log-level", "warning"]
         with ServerProcess(flags) as srv:
             res["peak_resident"] = residency(srv.base_url, args.residency_requests, args.prompt_len, new)
         results[name] = res

@@ -107,6 +107,19 @@ def test_snapkv_decode_appends_after_compaction_and_nothing_leaks():
     assert (ret.logical_len, ret.n_rows) == (61, 21)
     assert ret.positions[:, :, -1].eq(60).all()  # the new token's row holds logical position 60
     torch.testing.assert_close(eng.ctl.cache.keys("a", 1)[-1], dk[1][0])
+    # Decode attention over the 21 resident rows == attention over the same logical positions of
+    # the uncompressed sequence (per KV head: its own kept positions).
+    full_k, full_v = torch.cat([k[1], dk[1]]), torch.cat([v[1], dv[1]])
+    kv_head = torch.arange(HQ).view(-1, 1) // (HQ // HKV)
+    mask = torch.zeros(HQ, 61, dtype=torch.bool)
+    for h in range(HQ):
+        mask[h, ret.positions[1][h // (HQ // HKV)]] = True
+    expected = reference.sparse_decode_attention(dq[1][0], full_k, full_v, mask)
+    rows_k = eng.ctl.cache.keys("a", 1).transpose(0, 1)[kv_head.squeeze(1)]  # [HQ, rows, d]
+    rows_v = eng.ctl.cache.values("a", 1).transpose(0, 1)[kv_head.squeeze(1)]
+    got = reference.gathered_decode_attention(dq[1][0], rows_k, rows_v, torch.ones(HQ, 21, dtype=torch.bool),
+                                              1 / D ** 0.5)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     eng.finish("a", 0)
     assert eng.store.free_count() == free0
 
@@ -147,6 +160,12 @@ def test_quest_view_matches_reference_pages_and_keeps_dense_layers():
         expected = reference.sparse_decode_attention(dq[layer][0], full_k, full_v, mask)
         dense = reference.sparse_decode_attention(dq[layer][0], full_k, full_v, torch.ones_like(mask))
         assert not torch.allclose(expected, dense)  # the selection really changes what is read
+        # what the attention backend computes from the view: gather each head's rows, mask padding
+        kv_head = torch.arange(HQ).view(-1, 1) // (HQ // full_k.shape[1])
+        safe = rows.clamp(max=length)
+        got = reference.gathered_decode_attention(dq[layer][0], full_k[safe, kv_head], full_v[safe, kv_head],
+                                                  valid, 1 / full_k.shape[-1] ** 0.5)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert eng.ctl.stats()["counters"]["pages_selected"] == (LAYERS - 1) * HQ * 3
     eng.finish("a", 0)
     assert eng.store.free_count() == free0

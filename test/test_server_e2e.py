@@ -153,6 +153,27 @@ def test_dense_runs_through_the_contract_and_nothing_leaks(server):
     assert stats["logical_tokens"] == stats["retained_tokens"] == 0
 
 
+def test_dense_gives_the_same_tokens_as_plain_sglang(server, default_model_dir, request):
+    """The same flags on plain ``python -m sglang.launch_server`` (no sglang_sparse hooks at all)
+    and on sglang_sparse with dense: identical greedy tokens, batched and alone."""
+    plain = start_server(["--model-path", str(default_model_dir), "--device", "cpu", "--sleep-on-idle",
+                          *SERVER_ARGS], request, module="sglang.launch_server")
+    assert "sglang_sparse" not in requests.get(plain.base_url + "/server_info", timeout=60).json()[
+        "internal_states"][0]  # really the baseline: the plugin's scheduler hooks are not active
+    rng = random.Random(7)
+    prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (5, 120, 333)]
+
+    def batched(srv):
+        resp = requests.post(srv.base_url + "/generate", timeout=300, json={
+            "input_ids": prompts, "sampling_params": {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}})
+        assert resp.status_code == 200, resp.text
+        return [r["output_ids"] for r in resp.json()]
+
+    alone = [generate(plain, ids, 24)["output_ids"] for ids in prompts]
+    assert [generate(server, ids, 24)["output_ids"] for ids in prompts] == alone
+    assert batched(server) == batched(plain)
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--sparse-method", "snapkvv"], "unknown sparse method 'snapkvv'; available: dense, quest, snapkv"),
     (["--sparse-method", "quest", "--sparse-token-budget", "4"], "token_budget=4 is out of range"),

@@ -92,3 +92,42 @@ def test_small_pool_holds_many_more_long_requests_than_dense(server):
         t.join()
     assert peak >= 2 * dense_capacity, f"peak residency {peak}"
     assert stats(server)["kv_free_slots"] == POOL
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return [1000 + (13 * seed + 7 * j) % 20000 for j in range(n)]
+
+
+def test_arrival_counts_retained_rows_not_prompt_plus_max_new(server):
+    """SGLang clips max_new_tokens at arrival so that prompt + max_new fits the pool
+    (2048 - 1900 - 2 = 146 here). The MemoryOracle says the request holds BUDGET + max_new rows
+    after compaction, so all 300 tokens are generated."""
+    body = {"input_ids": _ids(1900, 1), "sampling_params": {"temperature": 0, "max_new_tokens": 300,
+                                                            "ignore_eos": True}}
+    out = generate(server, body)
+    assert out["meta_info"]["completion_tokens"] == 300
+    assert stats(server)["kv_free_slots"] == POOL
+
+
+def test_admission_reserves_retained_rows_for_decoding(server):
+    """Two requests of 1300 prompt + 400 new tokens. By SGLang's arithmetic the second can only
+    start when the first ends (64 + 400 rows held or reserved by the first, 1300 + 400 needed in
+    2048); by the oracle's it needs max(1300, 64 + 400) rows and runs alongside the first."""
+    before = stats(server)["counters"].get("admission_rows_saved", 0)
+    bodies = [{"input_ids": _ids(1300, 2 + i), "sampling_params": {"temperature": 0, "max_new_tokens": 400,
+                                                                    "ignore_eos": True}}
+              for i in range(2)]
+    threads = [threading.Thread(target=generate, args=(server, b)) for b in bodies]
+    for t in threads:
+        t.start()
+    peak = 0
+    while any(t.is_alive() for t in threads):
+        peak = max(peak, stats(server)["running_requests"])
+        time.sleep(0.2)
+    for t in threads:
+        t.join()
+    after = stats(server)
+    assert peak == 2
+    # each request reserved max(0, 64 + 400 - 1300) = 0 decode rows instead of 400
+    assert after["counters"]["admission_rows_saved"] - before == 2 * 400
+    assert after["kv_free_slots"] == POOL

@@ -28,6 +28,20 @@ class MemoryOracle:
         """Rows held after ``generated`` decode tokens."""
         return self.rows_after_prefill(prompt_len) + generated
 
+    @property
+    def evicts(self) -> bool:
+        return self.retained_budget is not None
+
     def admission_rows(self, prompt_len: int, max_new_tokens: int) -> int:
         """Rows to reserve to admit a request and run it to completion."""
         return max(self.prefill_peak_rows(prompt_len), self.rows_at(prompt_len, max_new_tokens))
+
+    def decode_reserve(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Rows to reserve on top of the prompt's own rows for ``max_new_tokens`` of decoding.
+
+        An engine that counts ``prompt + max_new`` asks this instead of using ``max_new``:
+        ``prompt + decode_reserve == admission_rows``. For SnapKV with budget B, a prompt of
+        L > B rows and N new tokens: ``max(0, B + N - L)``, since compaction frees ``L - B`` rows
+        before the first decode token is written."""
+        return self.admission_rows(prompt_len, max_new_tokens) - self.prefill_peak_rows(prompt_len)
+

@@ -41,11 +41,13 @@ def load() -> None:
 
 
 def _register_runtime() -> None:
-    """Scheduler-side: the attention backend that drives the controller, and the step hooks."""
+    """Scheduler-side: the attention backend that drives the controller, the step hooks and the
+    MemoryOracle-driven admission."""
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
 
-    from sglang_sparse.srt import attention, step_hooks
+    from sglang_sparse.srt import admission, attention, step_hooks
 
     register_attention_backend("torch_native")(attention.create_backend)
     status.REGISTRATIONS.append("attention-backend:torch_native")
     status.REGISTRATIONS.extend(step_hooks.register())
+    status.REGISTRATIONS.extend(admission.register())

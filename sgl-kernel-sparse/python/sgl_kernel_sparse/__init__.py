@@ -1,0 +1,36 @@
+"""sgl_kernel_sparse: kernels for sparse KV-cache methods on SGLang's token-major KV pool.
+
+Public functions dispatch to Triton on CUDA tensors and to the plain-torch references
+(``sgl_kernel_sparse.reference``) otherwise; ``sgl_kernel_sparse.triton_ops`` calls Triton
+directly. See README.md for shapes and index conventions.
+"""
+
+from . import reference
+from .dispatch import (
+    compact_kv,
+    paged_sparse_decode_attention,
+    quest_page_scores,
+    quest_select_pages,
+    quest_update_summaries,
+    snapkv_select,
+    snapkv_window_scores,
+    sparse_decode_attention,
+    stable_topk,
+    use_triton,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "compact_kv",
+    "paged_sparse_decode_attention",
+    "quest_page_scores",
+    "quest_select_pages",
+    "quest_update_summaries",
+    "reference",
+    "snapkv_select",
+    "snapkv_window_scores",
+    "sparse_decode_attention",
+    "stable_topk",
+    "use_triton",
+]

@@ -1,0 +1,85 @@
+"""Backend choice: the Triton kernel when every tensor argument is on CUDA and triton imports,
+the plain-torch reference otherwise (CPU, or ``SGL_KERNEL_SPARSE_BACKEND=reference``).
+Extra keyword arguments (``num_splits``, ``block_n``, ``max_pages``, ...) go to Triton only."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from . import reference
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_ops():
+    try:
+        from . import triton_ops
+    except ImportError:  # triton is optional
+        return None
+    return triton_ops
+
+
+def use_triton(*args) -> bool:
+    if os.environ.get("SGL_KERNEL_SPARSE_BACKEND", "") == "reference":
+        return False
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    return bool(tensors) and all(t.is_cuda for t in tensors) and _triton_ops() is not None
+
+
+def _pick(name, args, kwargs):
+    if use_triton(*args, *kwargs.values()):
+        return getattr(_triton_ops(), name)(*args, **kwargs)
+    ref_kwargs = {k: v for k, v in kwargs.items() if k in _REF_KWARGS.get(name, ())}
+    return getattr(reference, name)(*args, **ref_kwargs)
+
+
+_REF_KWARGS = {
+    "sparse_decode_attention": ("scale",),
+    "paged_sparse_decode_attention": ("scale",),
+    "quest_update_summaries": ("summary_rows",),
+    "quest_page_scores": ("summary_rows",),
+    "snapkv_window_scores": ("scale", "slots"),
+    "compact_kv": (),
+}
+
+
+def sparse_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, rows, valid,
+                            scale=None, **triton_kwargs):
+    return _pick("sparse_decode_attention",
+                 (q, k_cache, v_cache, req_to_token, req_rows, rows, valid),
+                 dict(scale=scale, **triton_kwargs))
+
+
+def paged_sparse_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, page_ids,
+                                  seq_lens, page, scale=None, **triton_kwargs):
+    return _pick("paged_sparse_decode_attention",
+                 (q, k_cache, v_cache, req_to_token, req_rows, page_ids, seq_lens, page),
+                 dict(scale=scale, **triton_kwargs))
+
+
+def quest_update_summaries(k_cache, req_to_token, req_rows, starts, ends, kmin, kmax, page,
+                           summary_rows=None, **triton_kwargs):
+    return _pick("quest_update_summaries",
+                 (k_cache, req_to_token, req_rows, starts, ends, kmin, kmax, page),
+                 dict(summary_rows=summary_rows, **triton_kwargs))
+
+
+def quest_page_scores(q, kmin, kmax, n_pages, summary_rows=None, **triton_kwargs):
+    return _pick("quest_page_scores", (q, kmin, kmax, n_pages),
+                 dict(summary_rows=summary_rows, **triton_kwargs))
+
+
+def snapkv_window_scores(q_win, k, scale=None, slots=None, **triton_kwargs):
+    return _pick("snapkv_window_scores", (q_win, k), dict(scale=scale, slots=slots, **triton_kwargs))
+
+
+def compact_kv(k_cache, v_cache, src_slots, dst_slots, **triton_kwargs):
+    return _pick("compact_kv", (k_cache, v_cache, src_slots, dst_slots), dict(triton_kwargs))
+
+
+# Selection stays in torch on every device (stable sorts: ties -> lower index).
+quest_select_pages = reference.quest_select_pages
+snapkv_select = reference.snapkv_select
+stable_topk = reference.stable_topk

@@ -1,0 +1,37 @@
+"""Small helpers shared by the Triton wrappers."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``, read by
+    ``triton.jit`` when a kernel module is imported, so it must be set before that import)."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    """Kernels need CUDA tensors (or CPU tensors under the interpreter)."""
+    for t in tensors:
+        if not (t.is_cuda or interpreting()):
+            raise ValueError("Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU)")
+
+
+def check_rows(*tensors: torch.Tensor) -> None:
+    """Data tensors (q, caches, summaries) are read as contiguous rows of D elements."""
+    check_device(*tensors)
+    for t in tensors:
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"innermost dim must be contiguous, got strides {t.stride()}")
+
+
+def pow2(n: int, least: int = 1) -> int:
+    return max(least, triton.next_power_of_2(max(1, int(n))))
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: few programs keep it fast

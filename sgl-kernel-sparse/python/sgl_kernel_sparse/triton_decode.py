@@ -1,0 +1,185 @@
+"""Sparse decode attention (flash-decoding style) over per-query-head selected positions.
+
+Grid ``(B, Hq, S)``: program (b, h, s) handles entries ``[s*chunk, min((s+1)*chunk, N))`` of
+query head h's selection in blocks of BLOCK_N with an online softmax (fp32, base 2). With S > 1
+(split-K) each program writes a normalized partial output and its log-sum-exp; a second kernel
+merges the S partials. Index chain for entry n of (b, h):
+  position = rows[b, h, n]                      (rows mode; valid[b, h, n] masks it)
+  position = page_ids[b, h, n // PAGE] * PAGE + n % PAGE   (paged mode; masked by page_id < 0
+                                                            and position >= seq_lens[b])
+  slot     = req_to_token[req_rows[b], position]
+  key      = k_cache[slot, h // GROUP, :D]       (one contiguous row of D elements)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import check_device, check_rows, num_sms, pow2
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_partial_kernel(
+    Q, K, V, REQ_TO_TOKEN, REQ_ROWS, IDX, VALID, SEQ_LENS, OUT, O_PART, LSE_PART,
+    qk_scale, N, chunk,
+    s_qb, s_qh, s_ks, s_kh, s_vs, s_vh, s_rt,
+    s_ib, s_ih, s_in, s_mb, s_mh, s_mn, s_ob, s_oh,
+    GROUP: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    n_split = tl.num_programs(2)
+    kvh = h // GROUP
+    req = tl.load(REQ_ROWS + b).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    # qk_scale = softmax scale * log2(e): logits are in base 2, exp2 below
+    q = tl.load(Q + b * s_qb + h * s_qh + d, mask=dmask, other=0.0).to(tl.float32) * qk_scale
+    if PAGED:
+        seq_len = tl.load(SEQ_LENS + b)
+
+    start = s * chunk
+    stop = tl.minimum(start + chunk, N)
+    m_i = -float("inf")
+    l_i = 0.0
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, stop, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        live = n < stop
+        if PAGED:
+            pid = tl.load(IDX + b * s_ib + h * s_ih + (n // PAGE) * s_in, mask=live, other=-1)
+            pos = pid * PAGE + n % PAGE  # positions fit int32
+            ok = live & (pid >= 0) & (pos < seq_len)
+        else:
+            pos = tl.load(IDX + b * s_ib + h * s_ih + n * s_in, mask=live, other=0).to(tl.int64)
+            ok = live & (tl.load(VALID + b * s_mb + h * s_mh + n * s_mn, mask=live, other=0) != 0)
+        slot = tl.load(REQ_TO_TOKEN + req * s_rt + pos, mask=ok, other=0).to(tl.int64)
+        tile_mask = ok[:, None] & dmask[None, :]
+        k = tl.load(K + slot[:, None] * s_ks + kvh * s_kh + d[None, :], mask=tile_mask, other=0.0)
+        logit = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+        logit = tl.where(ok, logit, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(logit, axis=0))
+        m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet: avoid inf-inf
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(logit - m_ref)
+        v = tl.load(V + slot[:, None] * s_vs + kvh * s_vh + d[None, :], mask=tile_mask, other=0.0)
+        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe  # a head (or split) with no valid entry: acc = 0 -> zeros
+    if SPLIT:
+        base = (b * tl.num_programs(1) + h) * n_split + s  # O_PART [B, Hq, S, D], LSE [B, Hq, S]
+        tl.store(O_PART + base * D + d, o, mask=dmask)
+        tl.store(LSE_PART + base, tl.where(l_i > 0, m_i + tl.log2(l_safe), -float("inf")))
+    else:
+        tl.store(OUT + b * s_ob + h * s_oh + d, o.to(OUT.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    O_PART, LSE_PART, OUT, S, s_ob, s_oh,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """out[b, h] = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M); empty splits have lse = -inf."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    base = (b * tl.num_programs(1) + h) * S
+    si = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    smask = si < S
+    lse = tl.load(LSE_PART + base + si, mask=smask, other=-float("inf"))
+    mx = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(mx == -float("inf"), 0.0, mx))
+    o = tl.load(O_PART + (base + si[:, None]) * D + d[None, :],
+                mask=smask[:, None] & (d[None, :] < D), other=0.0)
+    den = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.where(den > 0, den, 1.0)
+    tl.store(OUT + b * s_ob + h * s_oh + d, out.to(OUT.dtype.element_ty), mask=d < D)
+
+
+def plan_splits(programs, n_total, d, device, block_n=None, num_splits=None):
+    """(block_n, num_splits, chunk): entries ``[s*chunk, (s+1)*chunk)`` go to split s.
+    ``programs`` = B * Hq. Default: enough splits for ~4 programs per SM, each split at least
+    two blocks, at most 64 splits; no empty trailing split."""
+    if block_n is None:  # 32 x 128 tiles: no register spills in fp16/bf16/fp32 (compile_report)
+        block_n = 32 if pow2(d, 16) <= 128 else 16
+    n_blocks = triton.cdiv(max(n_total, 1), block_n)
+    if num_splits is None:
+        want = triton.cdiv(4 * num_sms(device), max(programs, 1))
+        num_splits = max(1, min(want, triton.cdiv(n_blocks, 2), 64))
+    chunk = triton.cdiv(n_blocks, num_splits) * block_n
+    return block_n, max(1, triton.cdiv(n_total, chunk)), chunk
+
+
+def _launch(q, k_cache, v_cache, req_to_token, req_rows, idx, valid, seq_lens, page, paged,
+            n_total, scale, num_splits, block_n):
+    b, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if hq % hkv:
+        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
+    check_rows(q, k_cache, v_cache)
+    check_device(req_to_token, req_rows, idx)
+    if req_to_token.stride(1) != 1:
+        raise ValueError("req_to_token rows must be contiguous")
+    out = torch.empty_like(q)
+    if b == 0 or hq == 0:
+        return out
+    block_d = pow2(d, 16)
+    block_n, num_splits, chunk = plan_splits(b * hq, n_total, d, q.device, block_n, num_splits)
+    split = num_splits > 1
+    if split:
+        o_part = torch.empty(b, hq, num_splits, d, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        o_part = lse_part = out  # unused
+    if valid is None:
+        valid, vstr = idx, (0, 0, 0)  # unused in paged mode
+    else:
+        valid = valid.view(torch.uint8) if valid.dtype == torch.bool else valid
+        vstr = valid.stride()
+    if seq_lens is None:
+        seq_lens = req_rows  # unused in rows mode
+    scale = (1.0 / d**0.5) if scale is None else float(scale)
+    _decode_partial_kernel[(b, hq, num_splits)](
+        q, k_cache, v_cache, req_to_token, req_rows, idx, valid, seq_lens, out, o_part, lse_part,
+        scale * LOG2E, n_total, chunk,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
+        idx.stride(0), idx.stride(1), idx.stride(2), *vstr, out.stride(0), out.stride(1),
+        GROUP=hq // hkv, PAGE=page, PAGED=paged, SPLIT=split,
+        D=d, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4,
+    )
+    if split:
+        _decode_reduce_kernel[(b, hq)](
+            o_part, lse_part, out, num_splits, out.stride(0), out.stride(1),
+            D=d, BLOCK_D=block_d, BLOCK_S=pow2(num_splits), num_warps=4,
+        )
+    return out
+
+
+def sparse_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, rows, valid,
+                            scale=None, num_splits=None, block_n=None):
+    """Triton version of ``reference.sparse_decode_attention`` (rows ``[B, Hq, N]`` + valid)."""
+    if rows.shape != valid.shape or rows.shape[:2] != q.shape[:2]:
+        raise ValueError(f"rows {tuple(rows.shape)} / valid {tuple(valid.shape)} vs q {tuple(q.shape)}")
+    return _launch(q, k_cache, v_cache, req_to_token, req_rows, rows, valid, None, 1, False,
+                   rows.shape[2], scale, num_splits, block_n)
+
+
+def paged_sparse_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, page_ids,
+                                  seq_lens, page, scale=None, num_splits=None, block_n=None):
+    """Triton version of ``reference.paged_sparse_decode_attention`` (page_ids ``[B, Hq, P]``,
+    ``-1`` = padding; positions ``>= seq_lens[b]`` masked)."""
+    if page_ids.shape[:2] != q.shape[:2]:
+        raise ValueError(f"page_ids {tuple(page_ids.shape)} vs q {tuple(q.shape)}")
+    check_device(seq_lens)
+    return _launch(q, k_cache, v_cache, req_to_token, req_rows, page_ids, None, seq_lens,
+                   int(page), True, page_ids.shape[2] * int(page), scale, num_splits, block_n)

@@ -1,0 +1,681 @@
+"""sgl_kernel_sparse (sgl-kernel-sparse/): Triton kernels against the plain-torch references.
+
+CPU, default suite:
+- the package's references against the project's reference (``sglang_sparse.kernels.reference``)
+  and loop-based readings of the formulas (in process, milliseconds);
+- every Triton kernel under the Triton interpreter on small shapes. ``triton.jit`` reads
+  ``TRITON_INTERPRET`` when a kernel module is imported, so the interpreter cases run in *one*
+  subprocess (``python test_sparse_kernels.py --interp``) with the variable set; each case is
+  reported back to its own pytest test (fail / skip with the reason);
+- every kernel compiled for sm_90 (H100/H200) without a GPU (``bench/compile_report.py``):
+  compile errors the interpreter cannot see, and register spills.
+GPU (``-m gpu``, skipped without CUDA): compiled kernels on realistic shapes vs the references.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG_ROOT = ROOT / "sgl-kernel-sparse"
+if str(PKG_ROOT / "python") not in sys.path:  # the package is used from the checkout
+    sys.path.insert(0, str(PKG_ROOT / "python"))
+
+from sgl_kernel_sparse import reference as R  # noqa: E402
+
+
+def _proj_ref():
+    from sglang_sparse.kernels import reference as proj
+
+    return proj
+
+
+# ============================================================ shared input builders
+
+
+def pool(num_slots, hkv, d, dtype, g, fused=True):
+    """K and V pools ``[num_slots, Hkv, D]``; ``fused``: views into one ``[slots, 2, Hkv, D]``
+    buffer, so the slot stride is not ``Hkv*D`` (exercises stride handling)."""
+    if fused:
+        buf = torch.randn(num_slots, 2, hkv, d, generator=g).to(dtype)
+        return buf[:, 0], buf[:, 1]
+    return (torch.randn(num_slots, hkv, d, generator=g).to(dtype),
+            torch.randn(num_slots, hkv, d, generator=g).to(dtype))
+
+
+def req_table(n_req, ctx, num_slots, g):
+    """req_to_token ``[n_req, ctx]`` int32: distinct, shuffled slots (positions != slots)."""
+    return torch.randperm(num_slots, generator=g)[: n_req * ctx].view(n_req, ctx).to(torch.int32)
+
+
+def decode_inputs(b, hq, hkv, d, n, ctx, dtype, seed, idx_dtype=torch.int64):
+    g = torch.Generator().manual_seed(seed)
+    n_req = b + 2
+    num_slots = n_req * ctx + 5
+    k, v = pool(num_slots, hkv, d, dtype, g)
+    r2t = req_table(n_req, ctx, num_slots, g)
+    req_rows = torch.randperm(n_req, generator=g)[:b]
+    q = torch.randn(b, hq, 2 * d, generator=g).to(dtype)[..., :d]  # non-contiguous heads
+    rows = torch.randint(0, ctx, (b, hq, n), generator=g)
+    valid = torch.rand(b, hq, n, generator=g) > 0.3
+    valid[0, 1] = False  # a head that reads nothing -> zeros
+    rows = torch.where(valid, rows, 10**6).to(idx_dtype)  # padding rows hold garbage
+    return q, k, v, r2t, req_rows, rows, valid
+
+
+def paged_inputs(b, hq, hkv, d, page, n_sel, dtype, seed, seq_lens):
+    g = torch.Generator().manual_seed(seed)
+    ctx = max(seq_lens) + page
+    n_req = b + 1
+    num_slots = n_req * ctx + 3
+    k, v = pool(num_slots, hkv, d, dtype, g)
+    r2t = req_table(n_req, ctx, num_slots, g)
+    req_rows = torch.randperm(n_req, generator=g)[:b]
+    q = torch.randn(b, hq, d, generator=g).to(dtype)
+    seq = torch.tensor(seq_lens)
+    n_pages = (seq + page - 1) // page
+    page_ids = torch.stack([
+        torch.stack([torch.randperm(int(n_pages[i]), generator=g)[:n_sel] for _ in range(hq)])
+        for i in range(b)
+    ]).to(torch.int32)  # [B, Hq, n_sel]
+    page_ids[0, 0, -1] = -1  # padding
+    page_ids[0, 1, :] = -1  # a head with no page
+    page_ids[-1, 0, 0] = n_pages[-1] - 1  # the partial last page
+    return q, k, v, r2t, req_rows, page_ids, seq
+
+
+def close(got, want, dtype, what):
+    tol = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 1e-2), torch.bfloat16: (1.6e-2, 2e-2)}
+    atol, rtol = tol[dtype]
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    err = (got.float() - want.float()).abs()
+    bad = err > atol + rtol * want.float().abs()
+    assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} off, max err {err.max():.3g}"
+
+
+def quest_chunks(page):
+    """Update ranges: prefill chunks ending mid-page (merges), then one-token decode steps."""
+    end = 5 * page + 1
+    return [(0, 7), (7, 13), (13, 14), (14, end)] + [(t, t + 1) for t in range(end, end + 3)]
+
+
+# ============================================================ references vs the project's
+
+
+def test_decode_reference_matches_project_formulas():
+    proj = _proj_ref()
+    q, k, v, r2t, req_rows, rows, valid = decode_inputs(3, 4, 2, 16, 23, 40, torch.float32, 1)
+    out = R.sparse_decode_attention(q, k, v, r2t, req_rows, rows, valid, scale=0.3)
+    group = 2
+    for b in range(3):
+        for h in range(4):
+            if not valid[b, h].any():
+                assert out[b, h].abs().max() == 0, "a head with no valid row must output zeros"
+                continue
+            slots = r2t[req_rows[b], rows[b, h].clamp(max=39)].long()
+            kk, vv = k[slots, h // group], v[slots, h // group]  # [N, D]
+            want = proj.gathered_decode_attention(q[b, h:h + 1], kk[None], vv[None],
+                                                  valid[b, h:h + 1], 0.3)
+            torch.testing.assert_close(out[b, h], want[0], atol=1e-6, rtol=1e-5)
+    # the token-mask form (default scale 1/sqrt(d)), on a duplicate-free selection of request 1
+    gen = torch.Generator().manual_seed(2)
+    rows1 = torch.stack([torch.randperm(40, generator=gen)[:23] for _ in range(4)])
+    out1 = R.sparse_decode_attention(q[1:2], k, v, r2t, req_rows[1:2], rows1[None], valid[1:2])
+    mask = torch.zeros(4, 40, dtype=torch.bool)
+    for h in range(4):
+        mask[h, rows1[h][valid[1, h]]] = True
+    slots = r2t[req_rows[1]].long()
+    want = proj.sparse_decode_attention(q[1], k[slots], v[slots], mask)
+    torch.testing.assert_close(out1[0], want, atol=1e-6, rtol=1e-5)
+
+
+def test_pages_to_rows_by_definition():
+    page_ids = torch.tensor([[[2, 0, -1]], [[1, 3, 2]]])
+    rows, valid = R.pages_to_rows(page_ids, torch.tensor([10, 15]), 4)
+    want = []
+    for b, seq_len in enumerate((10, 15)):
+        want.append([(p * 4 + j) if p >= 0 and p * 4 + j < seq_len else None
+                     for p in page_ids[b, 0].tolist() for j in range(4)])
+    got = [[r if ok else None for r, ok in zip(rows[b, 0].tolist(), valid[b, 0].tolist())]
+           for b in range(2)]
+    assert got == want
+
+
+def test_quest_update_reference_matches_project_summaries():
+    proj = _proj_ref()
+    g = torch.Generator().manual_seed(3)
+    page, hkv, d = 4, 2, 8
+    k, _ = pool(200, hkv, d, torch.float32, g)
+    r2t = req_table(3, 40, 200, g)
+    kmin = torch.full((3, 12, hkv, d), -1e3)  # stale values: a wrong merge shows
+    kmax = torch.full((3, 12, hkv, d), 1e3)
+    for s, e in quest_chunks(page):
+        R.quest_update_summaries(k, r2t, torch.tensor([2, 0]), torch.tensor([s, s]),
+                                 torch.tensor([e, e]), kmin, kmax, page)
+    length = quest_chunks(page)[-1][1]
+    n_pages = -(-length // page)
+    for r in (2, 0):
+        mn, mx = proj.quest_page_summaries(k[r2t[r, :length].long()], page)
+        assert torch.equal(kmin[r, :n_pages], mn) and torch.equal(kmax[r, :n_pages], mx)
+    assert (kmin[1] == -1e3).all(), "request row 1 was not updated"
+
+
+def test_quest_scores_and_selection_match_project():
+    proj = _proj_ref()
+    g = torch.Generator().manual_seed(4)
+    b, hq, hkv, d, p_max = 3, 8, 2, 16, 11
+    kmin = torch.randn(4, p_max, hkv, d, generator=g)
+    kmax = kmin + torch.rand(4, p_max, hkv, d, generator=g)
+    q = torch.randn(b, hq, d, generator=g)
+    n_pages = torch.tensor([11, 5, 2])
+    rows = torch.tensor([3, 0, 1])
+    scores = R.quest_page_scores(q, kmin, kmax, n_pages, summary_rows=rows)
+    budget, page = 32, 8  # quest_num_pages -> max(3, 4) = 4 pages, capped by n_pages
+    n_sel = torch.tensor([proj.quest_num_pages(budget, page, int(n)) for n in n_pages])
+    sel = R.quest_select_pages(scores, n_sel)
+    assert sel.shape == (b, hq, 4) and sel.dtype == torch.int32
+    for i in range(b):
+        n = int(n_pages[i])
+        want = proj.quest_page_scores(q[i], kmin[rows[i], :n], kmax[rows[i], :n])
+        torch.testing.assert_close(scores[i, :, :n], want, atol=1e-5, rtol=1e-5)
+        assert torch.isneginf(scores[i, :, n:]).all()
+        want_sel = proj.quest_select_pages(q[i], kmin[rows[i], :n], kmax[rows[i], :n], budget, page)
+        got = sel[i, :, : want_sel.shape[1]]
+        assert torch.equal(got.long(), want_sel), f"request {i}"
+        assert (sel[i, :, want_sel.shape[1]:] == -1).all(), "padding must be -1"
+
+
+def test_quest_selection_ties_go_to_lower_page():
+    scores = torch.tensor([[[1.0, 3.0, 3.0, 1.0, 3.0, 2.0, float("-inf")]]])
+    assert R.quest_select_pages(scores, 2).tolist() == [[[1, 2]]]
+    assert R.quest_select_pages(scores, 4).tolist() == [[[1, 2, 4, 5]]]
+    flat = torch.zeros(1, 2, 9)
+    assert R.quest_select_pages(flat, 3).tolist() == [[[0, 1, 2], [0, 1, 2]]]
+
+
+@pytest.mark.parametrize("length,budget,window,kernel,hq,hkv", [
+    (40, 16, 4, 5, 6, 2), (33, 12, 4, 1, 4, 4), (20, 20, 4, 5, 2, 1), (64, 20, 8, 7, 8, 2),
+])
+def test_snapkv_reference_matches_project_selection(length, budget, window, kernel, hq, hkv):
+    proj = _proj_ref()
+    g = torch.Generator().manual_seed(length + budget)
+    k = torch.randn(length, hkv, 8, generator=g)
+    q_win = torch.randn(window, hq, 8, generator=g)
+    w = min(window, budget)
+    scores = R.snapkv_window_scores(q_win[-w:], k)
+    probs = proj.window_attention_probs(q_win[-w:], k)  # [Hq, w, L]
+    want_scores = probs.sum(dim=1).view(hkv, hq // hkv, length).mean(dim=1)
+    torch.testing.assert_close(scores, want_scores, atol=1e-6, rtol=1e-5)
+    got = R.snapkv_select(scores, window, budget, kernel)
+    assert torch.equal(got, proj.snapkv_keep_indices(q_win, k, budget, window, kernel))
+
+
+def test_compact_reference_overlapping_ranges():
+    g = torch.Generator().manual_seed(5)
+    k, v = pool(30, 2, 4, torch.float32, g, fused=False)
+    src = torch.tensor([[3, 5, 6, 9, 12], [2, 3, 4, 10, 11]])  # overlaps dst = 2..6
+    dst = torch.arange(2, 7)
+    k0, v0 = k.clone(), v.clone()
+    R.compact_kv(k, v, src, dst)
+    for h in range(2):
+        for i in range(5):
+            assert torch.equal(k[dst[i], h], k0[src[h, i], h])
+            assert torch.equal(v[dst[i], h], v0[src[h, i], h])
+    untouched = torch.ones(30, dtype=torch.bool)
+    untouched[dst] = False
+    assert torch.equal(k[untouched], k0[untouched])
+
+
+def test_dispatch_uses_reference_on_cpu():
+    import sgl_kernel_sparse as sks
+
+    q, k, v, r2t, req_rows, rows, valid = decode_inputs(2, 4, 2, 16, 9, 20, torch.float32, 6)
+    assert not sks.use_triton(q, k)
+    got = sks.sparse_decode_attention(q, k, v, r2t, req_rows, rows, valid, num_splits=2)
+    assert torch.equal(got, R.sparse_decode_attention(q, k, v, r2t, req_rows, rows, valid))
+
+
+def test_package_imports_neither_sglang_nor_sglang_sparse():
+    bad = []
+    for path in (PKG_ROOT / "python" / "sgl_kernel_sparse").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            bad += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("sglang", "sglang_sparse")]
+    assert bad == []
+
+
+def test_bench_exits_clearly_without_cuda(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the benchmark would run")
+    res = subprocess.run([sys.executable, str(PKG_ROOT / "bench" / "bench_kernels.py"),
+                          "--out", str(tmp_path / "r.json")], capture_output=True, text=True)
+    assert res.returncode != 0 and "CUDA" in res.stderr, res.stderr
+    assert not (tmp_path / "r.json").exists()
+
+
+# ============================================================ Triton interpreter cases
+# Each case runs in the subprocess (TRITON_INTERPRET=1) with T = sgl_kernel_sparse.triton_ops.
+
+
+class Unsupported(Exception):
+    """The interpreter cannot run this case (the reason is reported as the skip reason)."""
+
+
+def case_interpreter_active(T):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from sgl_kernel_sparse import triton_compact, triton_decode, triton_quest, triton_snapkv
+
+    kernels = [triton_decode._decode_partial_kernel, triton_decode._decode_reduce_kernel,
+               triton_quest._quest_update_kernel, triton_quest._quest_scores_kernel,
+               triton_snapkv._snapkv_lse_kernel, triton_snapkv._snapkv_score_kernel,
+               triton_compact._copy_rows_kernel]
+    assert all(isinstance(k, InterpretedFunction) for k in kernels), "kernels are not interpreted"
+
+
+def _decode_case(T, dtype, hq, hkv, d, n, idx_dtype, seed):
+    q, k, v, r2t, req_rows, rows, valid = decode_inputs(3, hq, hkv, d, n, 50, dtype, seed, idx_dtype)
+    want = R.sparse_decode_attention(q, k, v, r2t, req_rows, rows, valid)
+    for splits in (1, 3):  # 3: split-K partials + the reduce kernel
+        got = T.sparse_decode_attention(q, k, v, r2t, req_rows, rows, valid,
+                                        num_splits=splits, block_n=16)
+        close(got, want, dtype, f"splits={splits}")
+        assert (got[0, 1] == 0).all(), "head with no valid row must be zeros"
+    got = T.sparse_decode_attention(q, k, v, r2t, req_rows, rows, valid)  # default heuristics
+    close(got, want, dtype, "default splits")
+
+
+def case_decode_rows_fp32_gqa2(T):
+    _decode_case(T, torch.float32, 4, 2, 32, 37, torch.int64, 10)
+
+
+def case_decode_rows_fp16_gqa4_int32(T):
+    _decode_case(T, torch.float16, 8, 2, 32, 45, torch.int32, 11)
+
+
+def case_decode_rows_bf16_mha_d48(T):
+    _decode_case(T, torch.bfloat16, 2, 2, 48, 21, torch.int64, 12)  # D not a power of 2
+
+
+def case_decode_rows_scale_and_long_n(T):
+    q, k, v, r2t, req_rows, rows, valid = decode_inputs(2, 4, 1, 16, 200, 120, torch.float32, 13)
+    want = R.sparse_decode_attention(q, k, v, r2t, req_rows, rows, valid, scale=0.7)
+    got = T.sparse_decode_attention(q, k, v, r2t, req_rows, rows, valid, scale=0.7,
+                                    num_splits=5, block_n=16)
+    close(got, want, torch.float32, "scale 0.7, 5 splits")
+
+
+def _paged_case(T, dtype, page, seed):
+    seq_lens = [5 * page + 1, 3 * page, 4 * page - 1]  # partial last pages
+    q, k, v, r2t, req_rows, page_ids, seq = paged_inputs(3, 4, 2, 32, page, 3, dtype, seed, seq_lens)
+    want = R.paged_sparse_decode_attention(q, k, v, r2t, req_rows, page_ids, seq, page)
+    rows, valid = R.pages_to_rows(page_ids, seq, page)
+    close(want, R.sparse_decode_attention(q, k, v, r2t, req_rows, rows, valid), dtype, "ref")
+    for splits in (1, 2):
+        got = T.paged_sparse_decode_attention(q, k, v, r2t, req_rows, page_ids, seq, page,
+                                              num_splits=splits, block_n=8)
+        close(got, want, dtype, f"page={page} splits={splits}")
+        assert (got[0, 1] == 0).all()
+
+
+def case_paged_fp32_page4(T):
+    _paged_case(T, torch.float32, 4, 20)
+
+
+def case_paged_bf16_page3(T):
+    _paged_case(T, torch.bfloat16, 3, 21)  # page size not a power of 2
+
+
+def case_paged_fp16_page16(T):
+    _paged_case(T, torch.float16, 16, 22)
+
+
+def _quest_update_case(T, kdtype, sdtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    page, hkv, d = 4, 2, 24
+    k, _ = pool(300, hkv, d, kdtype, g)
+    r2t = req_table(4, 40, 300, g)
+    reqs = torch.tensor([3, 1])
+    init = lambda v: torch.full((4, 12, hkv, d), v, dtype=sdtype)  # noqa: E731
+    got_min, got_max, want_min, want_max = init(-1e3), init(1e3), init(-1e3), init(1e3)
+    for s, e in quest_chunks(page):
+        starts, ends = torch.tensor([s, s + 2]), torch.tensor([e, e + 2])  # requests out of phase
+        one = (e - s == 1)
+        T.quest_update_summaries(k, r2t, reqs, starts, ends, got_min, got_max, page,
+                                 max_pages=1 if one else None)
+        R.quest_update_summaries(k, r2t, reqs, starts, ends, want_min, want_max, page)
+        assert torch.equal(got_min, want_min) and torch.equal(got_max, want_max), f"after [{s},{e})"
+    # separate summary rows, an empty update (start == end) and scalar arguments
+    T.quest_update_summaries(k, r2t, 1, 5, 5, got_min, got_max, page, summary_rows=0)
+    assert torch.equal(got_min, want_min), "empty update wrote"
+    T.quest_update_summaries(k, r2t, 1, 0, 9, got_min, got_max, page, summary_rows=0)
+    R.quest_update_summaries(k, r2t, 1, 0, 9, want_min, want_max, page, summary_rows=0)
+    assert torch.equal(got_min, want_min) and torch.equal(got_max, want_max), "summary_rows"
+
+
+def case_quest_update_fp32(T):
+    _quest_update_case(T, torch.float32, torch.float32, 30)
+
+
+def case_quest_update_bf16_keys_fp16_summaries(T):
+    _quest_update_case(T, torch.bfloat16, torch.float32, 31)
+    _quest_update_case(T, torch.float16, torch.float16, 32)
+
+
+def case_quest_scores(T):
+    g = torch.Generator().manual_seed(33)
+    for qdt, sdt, hq, hkv, d in ((torch.float32, torch.float32, 8, 2, 24),
+                                 (torch.float16, torch.float32, 4, 4, 32),
+                                 (torch.bfloat16, torch.bfloat16, 6, 2, 16)):
+        kmin = torch.randn(5, 13, hkv, d, generator=g)
+        kmax = (kmin + torch.rand(5, 13, hkv, d, generator=g)).to(sdt)
+        kmin = kmin.to(sdt)
+        kmin[4, 9:] = float("nan")  # pages past n_pages may hold anything
+        q = torch.randn(3, hq, d, generator=g).to(qdt)
+        n_pages = torch.tensor([13, 9, 1])
+        rows = torch.tensor([2, 4, 0])
+        want = R.quest_page_scores(q, kmin, kmax, n_pages, summary_rows=rows)
+        for bp in (None, 8):
+            got = T.quest_page_scores(q, kmin, kmax, n_pages, summary_rows=rows, block_p=bp)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        got = T.quest_page_scores(q[:2], kmin[:2], kmax[:2], n_pages[:2])  # default rows = b
+        torch.testing.assert_close(got, R.quest_page_scores(q[:2], kmin[:2], kmax[:2], n_pages[:2]))
+
+
+def case_quest_tied_pages_pick_lowest(T):
+    kmin = torch.zeros(1, 10, 1, 8)
+    kmax = torch.ones(1, 10, 1, 8)
+    kmax[0, 7] = 2.0  # the one clear winner
+    q = torch.ones(1, 2, 8)
+    scores = T.quest_page_scores(q, kmin, kmax, torch.tensor([10]))
+    assert R.quest_select_pages(scores, 3).tolist() == [[[0, 1, 7], [0, 1, 7]]]
+
+
+def _bf16_dot_broken():
+    """Triton 3.8's interpreter multiplies bf16 tl.dot operands as raw uint16 bits."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(X, Y):
+        i = tl.arange(0, 16)
+        x = tl.load(X + i[:, None] * 16 + i[None, :])
+        tl.store(Y + i[:, None] * 16 + i[None, :], tl.dot(x, x))
+
+    x = torch.eye(16).to(torch.bfloat16)
+    y = torch.zeros(16, 16)
+    probe[(1,)](x, y)
+    return not torch.equal(y, torch.eye(16))
+
+
+def _snapkv_case(T, dtype, hq, hkv, d, length, w, seed):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(length, hkv, d, generator=g).to(dtype)
+    q_win = torch.randn(w, hq, d, generator=g).to(dtype)
+    want = R.snapkv_window_scores(q_win, k)
+    tol = dict(atol=1e-6, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-5, rtol=1e-3)
+    for bl in (None, 16):
+        torch.testing.assert_close(T.snapkv_window_scores(q_win, k, block_l=bl), want, **tol)
+    # keys read from a KV pool through slots (a chunked prefill's keys stay in the pool)
+    pool_k = torch.randn(length + 30, hkv, d, generator=g).to(dtype)
+    slots = torch.randperm(length + 30, generator=g)[:length]
+    pool_k[slots] = k
+    torch.testing.assert_close(T.snapkv_window_scores(q_win, pool_k, slots=slots), want, **tol)
+    torch.testing.assert_close(T.snapkv_window_scores(q_win, k, scale=0.2),
+                               R.snapkv_window_scores(q_win, k, scale=0.2), **tol)
+
+
+def case_snapkv_fp32_gqa3(T):
+    _snapkv_case(T, torch.float32, 6, 2, 16, 50, 5, 40)
+
+
+def case_snapkv_fp16_mha_w_eq_l(T):
+    _snapkv_case(T, torch.float16, 2, 2, 32, 20, 20, 41)  # window = the whole prompt
+    _snapkv_case(T, torch.float16, 8, 2, 24, 37, 17, 42)  # W > 16, D not a power of 2
+
+
+def case_snapkv_bf16(T):
+    if _bf16_dot_broken():
+        raise Unsupported("Triton 3.8 interpreter computes bf16 tl.dot on raw uint16 bits; "
+                          "bf16 SnapKV is covered by the GPU tests")
+    _snapkv_case(T, torch.bfloat16, 4, 2, 16, 40, 8, 43)
+
+
+def _compact_case(T, dtype, seed, shared_src):
+    g = torch.Generator().manual_seed(seed)
+    hkv, d, n = 3, 16, 150  # n > the kernel's block: several programs per head
+    k, v = pool(400, hkv, d, dtype, g)
+    k0, v0 = k.clone(), v.clone()
+    if shared_src:
+        src = torch.sort(torch.randperm(200, generator=g)[:n] + 20).values
+    else:  # per-head positions, sorted: the real compaction pattern (moves towards the front)
+        src = torch.stack([torch.sort(torch.randperm(200, generator=g)[:n] + 20).values
+                           for _ in range(hkv)])
+    dst = torch.arange(30, 30 + n)  # overlaps the sources
+    kr, vr = k.clone(), v.clone()
+    R.compact_kv(kr, vr, src, dst)
+    T.compact_kv(k, v, src, dst)
+    assert torch.equal(k, kr) and torch.equal(v, vr)
+    src2 = src.expand(hkv, n)
+    for h in range(hkv):
+        assert torch.equal(k[dst, h], k0[src2[h], h]) and torch.equal(v[dst, h], v0[src2[h], h])
+
+
+def case_compact_overlap_per_head_bf16(T):
+    _compact_case(T, torch.bfloat16, 50, shared_src=False)
+
+
+def case_compact_overlap_shared_fp32(T):
+    _compact_case(T, torch.float32, 51, shared_src=True)
+
+
+def case_compact_backward_overlap(T):
+    """Rows moved towards the back over themselves: an in-place single pass would overwrite
+    sources of later blocks (programs run in order under the interpreter) -- must not happen."""
+    g = torch.Generator().manual_seed(53)
+    k, v = pool(400, 2, 16, torch.float16, g)
+    src = torch.arange(100, 250).expand(2, 150)
+    dst = torch.stack([src[0] + 5, src[1] + 70])
+    kr, vr = k.clone(), v.clone()
+    R.compact_kv(kr, vr, src, dst)
+    T.compact_kv(k, v, src, dst)
+    assert torch.equal(k, kr) and torch.equal(v, vr)
+
+
+def case_compact_disjoint_fast_path(T):
+    g = torch.Generator().manual_seed(52)
+    k, v = pool(100, 2, 16, torch.float16, g)
+    src = torch.tensor([[50, 61, 70], [55, 56, 90]])
+    dst = torch.tensor([1, 2, 3])
+    kr, vr = k.clone(), v.clone()
+    R.compact_kv(kr, vr, src, dst)
+    T.compact_kv(k, v, src, dst, assume_disjoint=True)
+    assert torch.equal(k, kr) and torch.equal(v, vr)
+
+
+CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+
+def _run_cases_here() -> dict:
+    """Subprocess side: run every case under the interpreter, report each outcome."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    import warnings
+
+    warnings.filterwarnings("ignore", category=RuntimeWarning)  # numpy inf arithmetic in masks
+    from sgl_kernel_sparse import triton_ops as T
+
+    out = {}
+    for name, fn in CASES.items():
+        try:
+            fn(T)
+            out[name] = ["ok", ""]
+        except Unsupported as exc:
+            out[name] = ["skip", str(exc)]
+        except Exception as exc:  # noqa: BLE001 - reported to the matching pytest test
+            out[name] = ["fail", f"{type(exc).__name__}: {exc}"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def interp_results():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(PKG_ROOT / "python"), str(ROOT / "python"), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, __file__, "--interp"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    marker = "INTERP-RESULTS "
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(marker)]
+    assert res.returncode == 0 and lines, f"interpreter run failed:\n{res.stdout}\n{res.stderr}"
+    return json.loads(lines[-1][len(marker):])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_triton_interpreter(case, interp_results):
+    status, msg = interp_results.get(case, ["fail", "case did not report"])
+    if status == "skip":
+        pytest.skip(msg)
+    assert status == "ok", msg
+
+
+def test_kernels_compile_for_sm90_without_spills(tmp_path):
+    """fp16 + fp32 (fp32 SnapKV takes its own exact-dot path); the full matrix:
+    ``python sgl-kernel-sparse/bench/compile_report.py``."""
+    report = tmp_path / "report.json"
+    res = subprocess.run(
+        [sys.executable, str(PKG_ROOT / "bench" / "compile_report.py"), "--dtypes", "fp16,fp32",
+         "--json", str(report)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
+    kernels = {r["kernel"] for r in json.loads(report.read_text())}
+    assert kernels == {"_decode_partial_kernel", "_decode_reduce_kernel", "_quest_update_kernel",
+                       "_quest_scores_kernel", "_snapkv_lse_kernel", "_snapkv_score_kernel",
+                       "_copy_rows_kernel"}
+
+
+# ============================================================ GPU: compiled kernels, real shapes
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d,n", [(32, 8, 128, 1000), (28, 4, 128, 4099), (16, 16, 64, 77)])
+def test_gpu_sparse_decode(dtype, hq, hkv, d, n):
+    from sgl_kernel_sparse import triton_ops as T
+
+    cpu = decode_inputs(6, hq, hkv, d, n, 8192, dtype, 100 + n)
+    q, k, v, r2t, req_rows, rows, valid = (t.cuda() for t in cpu)
+    want = R.sparse_decode_attention(q, k, v, r2t, req_rows, rows, valid)
+    for splits in (None, 1, 7):
+        got = T.sparse_decode_attention(q, k, v, r2t, req_rows, rows, valid, num_splits=splits)
+        close(got, want, dtype, f"splits={splits}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("page", [16, 64])
+def test_gpu_paged_decode(dtype, page):
+    from sgl_kernel_sparse import triton_ops as T
+
+    seq_lens = [32000 + 5, 8000, 17 * page - 3, 4000 + page // 2]
+    cpu = paged_inputs(4, 32, 8, 128, page, 2048 // page, dtype, 200 + page, seq_lens)
+    q, k, v, r2t, req_rows, page_ids, seq = (t.cuda() for t in cpu)
+    want = R.paged_sparse_decode_attention(q, k, v, r2t, req_rows, page_ids, seq, page)
+    for splits in (None, 1):
+        got = T.paged_sparse_decode_attention(q, k, v, r2t, req_rows, page_ids, seq, page,
+                                              num_splits=splits)
+        close(got, want, dtype, f"splits={splits}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_quest_update_and_scores(dtype):
+    from sgl_kernel_sparse import triton_ops as T
+
+    g = torch.Generator().manual_seed(300)
+    page, hq, hkv, d, ctx = 16, 32, 8, 128, 4200
+    k = pool(5 * ctx, hkv, d, dtype, g)[0].cuda()
+    r2t = req_table(4, ctx, 5 * ctx, g).cuda()
+    reqs = torch.tensor([0, 2, 3], device="cuda")
+    p_max = ctx // page + 1
+    got = [torch.full((4, p_max, hkv, d), -1e3, device="cuda") for _ in range(2)]
+    want = [x.clone() for x in got]
+    chunks = [(0, 2049), (2049, 4096), (4096, 4100)] + [(t, t + 1) for t in range(4100, 4105)]
+    for s, e in chunks:  # prefill chunks ending mid-page, then decode steps; 3 requests
+        starts = torch.tensor([s, s + 3, s + 7], device="cuda")
+        ends = torch.tensor([e, e + 3, e + 7], device="cuda")
+        T.quest_update_summaries(k, r2t, reqs, starts, ends, *got, page,
+                                 max_pages=1 if e - s == 1 else None)
+        R.quest_update_summaries(k, r2t, reqs, starts, ends, *want, page)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    q = torch.randn(4, hq, d, generator=g).to(dtype).cuda()
+    n_pages = torch.tensor([p_max, 200, 1, 263], device="cuda")
+    rows = torch.tensor([0, 2, 3, 0], device="cuda")
+    s_got = T.quest_page_scores(q, got[0], got[1], n_pages, summary_rows=rows)
+    s_want = R.quest_page_scores(q, want[0], want[1], n_pages, summary_rows=rows)
+    torch.testing.assert_close(s_got, s_want, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("length,w", [(4096 + 17, 32), (1000, 64), (33, 33)])
+def test_gpu_snapkv_scores(dtype, length, w):
+    from sgl_kernel_sparse import triton_ops as T
+
+    g = torch.Generator().manual_seed(length + w)
+    k = torch.randn(length, 8, 128, generator=g).to(dtype).cuda()
+    q_win = torch.randn(w, 32, 128, generator=g).to(dtype).cuda()
+    want = R.snapkv_window_scores(q_win, k)
+    got = T.snapkv_window_scores(q_win, k)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=2e-3)
+    assert torch.allclose(got.sum(dim=1), torch.full((8,), float(w), device="cuda"), rtol=1e-3)
+    slots = torch.randperm(3 * length, generator=g)[:length].cuda()
+    pool_k = torch.zeros(3 * length, 8, 128, dtype=dtype, device="cuda")
+    pool_k[slots] = k
+    torch.testing.assert_close(T.snapkv_window_scores(q_win, pool_k, slots=slots), got,
+                               atol=1e-6, rtol=1e-5)
+    if dtype == torch.float32:  # exact-ish scores: the selection itself must agree
+        budget = min(length, 1024)
+        assert torch.equal(R.snapkv_select(got, w, budget, 7), R.snapkv_select(want, w, budget, 7))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_compact_kv(dtype):
+    from sgl_kernel_sparse import triton_ops as T
+
+    g = torch.Generator().manual_seed(400)
+    hkv, d, n = 8, 128, 3000
+    k, v = (t.cuda() for t in pool(20000, hkv, d, dtype, g))
+    src = torch.stack([torch.sort(torch.randperm(9000, generator=g)[:n] + 100).values
+                       for _ in range(hkv)]).cuda()
+    dst = torch.arange(100, 100 + n, device="cuda")
+    kr, vr = k.clone(), v.clone()
+    R.compact_kv(kr, vr, src, dst)
+    T.compact_kv(k, v, src, dst)
+    assert torch.equal(k, kr) and torch.equal(v, vr)
+
+
+@pytest.mark.gpu
+def test_gpu_dispatch_picks_triton():
+    import sgl_kernel_sparse as sks
+
+    q = torch.zeros(1, device="cuda")
+    assert sks.use_triton(q)
+
+
+if __name__ == "__main__" and "--interp" in sys.argv:
+    print("INTERP-RESULTS " + json.dumps(_run_cases_here()), flush=True)
