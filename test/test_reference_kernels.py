@@ -116,3 +116,59 @@ def test_sparse_decode_attention_equals_dense_attention_on_the_subset():
         kv = h // 2
         w = torch.softmax(k[keep, kv] @ q[h] / math.sqrt(8), dim=0)
         torch.testing.assert_close(got[h], w @ v[keep, kv])
+
+
+def _views_batch(device="cpu", seed=0):
+    """Three requests of one layer: different lengths and per-head row counts, padding marked
+    invalid (and holding rows past the request's end, which must never be read)."""
+    g = torch.Generator().manual_seed(seed)
+    hq, hkv, d, slots = 6, 2, 16, 400
+    k_cache, v_cache = torch.randn(slots, hkv, d, generator=g), torch.randn(slots, hkv, d, generator=g)
+    req_to_token = torch.randperm(slots, generator=g)[:3 * 120].view(3, 120).to(torch.int32)
+    lengths, rows, valid = [50, 7, 120], [], []
+    for n_rows in lengths:
+        n = min(n_rows, 20)
+        r = torch.stack([torch.sort(torch.randperm(n_rows, generator=g)[:n]).values for _ in range(hq)])
+        m = torch.ones(hq, n, dtype=torch.bool)
+        m[1, n // 2:] = False  # one head reads fewer rows
+        r[1, n // 2:] = n_rows + 5  # past the end: must be clamped, never read
+        rows.append(r)
+        valid.append(m)
+    q = torch.randn(3, hq, d, generator=g)
+    to = lambda t: t.to(device)  # noqa: E731
+    return (to(q), to(k_cache), to(v_cache), to(req_to_token), [0, 1, 2], [to(r) for r in rows],
+            [to(v) for v in valid], lengths, d ** -0.5)
+
+
+def test_decode_over_views_equals_the_kernel_package_on_a_padded_batch():
+    """The per-request reference loop (CPU path) and sgl_kernel_sparse's batched API (the CUDA
+    path; its own reference on CPU) agree on a ragged batch."""
+    import sgl_kernel_sparse
+
+    from sglang_sparse.kernels.decode import decode_over_views, pad_views
+
+    q, kc, vc, r2t, req_rows, rows, valid, lengths, scale = _views_batch()
+    loop = decode_over_views(q, kc, vc, r2t, req_rows, rows, valid, lengths, scale)
+    r, v = pad_views(rows, valid, lengths)
+    batched = sgl_kernel_sparse.sparse_decode_attention(q, kc, vc, r2t, torch.tensor(req_rows), r, v, scale)
+    torch.testing.assert_close(batched, loop, rtol=1e-5, atol=1e-5)
+    # and both equal attention over the selected logical tokens, head by head
+    for i in range(3):
+        slots = r2t[i, : lengths[i]].long()
+        for h in range(q.shape[1]):
+            sel = slots[rows[i][h][valid[i][h]]]
+            kh = kc[sel, h // 3]
+            w = torch.softmax((kh @ q[i, h]) * scale, dim=0)
+            torch.testing.assert_close(loop[i, h], w @ vc[sel, h // 3], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_decode_over_views_uses_triton_on_cuda_and_matches_the_cpu_path():
+    from sglang_sparse.kernels import decode
+
+    cpu = _views_batch()
+    gpu = _views_batch("cuda")
+    assert decode.use_kernel_package(gpu[0])
+    want = decode.decode_over_views(*cpu)
+    got = decode.decode_over_views(*gpu).cpu()
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)

@@ -83,10 +83,11 @@ def paged_inputs(b, hq, hkv, d, page, n_sel, dtype, seed, seq_lens):
     q = torch.randn(b, hq, d, generator=g).to(dtype)
     seq = torch.tensor(seq_lens)
     n_pages = (seq + page - 1) // page
-    page_ids = torch.stack([
-        torch.stack([torch.randperm(int(n_pages[i]), generator=g)[:n_sel] for _ in range(hq)])
-        for i in range(b)
-    ]).to(torch.int32)  # [B, Hq, n_sel]
+    page_ids = torch.full((b, hq, n_sel), -1, dtype=torch.int32)  # [B, Hq, n_sel], -1 = padding
+    for i in range(b):
+        n = min(n_sel, int(n_pages[i]))  # short requests: fewer pages than n_sel
+        for h in range(hq):
+            page_ids[i, h, :n] = torch.randperm(int(n_pages[i]), generator=g)[:n].to(torch.int32)
     page_ids[0, 0, -1] = -1  # padding
     page_ids[0, 1, :] = -1  # a head with no page
     page_ids[-1, 0, 0] = n_pages[-1] - 1  # the partial last page
@@ -254,7 +255,8 @@ def test_package_imports_neither_sglang_nor_sglang_sparse():
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names = [node.module]
-            bad += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("sglang", "sglang_sparse")]
+            bad += [f"{path.name}: {n}" for n in names
+                    if n.split(".")[0] in ("sglang", "sglang_sparse")]
     assert bad == []
 
 
@@ -288,7 +290,8 @@ def case_interpreter_active(T):
 
 
 def _decode_case(T, dtype, hq, hkv, d, n, idx_dtype, seed):
-    q, k, v, r2t, req_rows, rows, valid = decode_inputs(3, hq, hkv, d, n, 50, dtype, seed, idx_dtype)
+    inputs = decode_inputs(3, hq, hkv, d, n, 50, dtype, seed, idx_dtype)
+    q, k, v, r2t, req_rows, rows, valid = inputs
     want = R.sparse_decode_attention(q, k, v, r2t, req_rows, rows, valid)
     for splits in (1, 3):  # 3: split-K partials + the reduce kernel
         got = T.sparse_decode_attention(q, k, v, r2t, req_rows, rows, valid,
@@ -321,7 +324,8 @@ def case_decode_rows_scale_and_long_n(T):
 
 def _paged_case(T, dtype, page, seed):
     seq_lens = [5 * page + 1, 3 * page, 4 * page - 1]  # partial last pages
-    q, k, v, r2t, req_rows, page_ids, seq = paged_inputs(3, 4, 2, 32, page, 3, dtype, seed, seq_lens)
+    inputs = paged_inputs(3, 4, 2, 32, page, 3, dtype, seed, seq_lens)
+    q, k, v, r2t, req_rows, page_ids, seq = inputs
     want = R.paged_sparse_decode_attention(q, k, v, r2t, req_rows, page_ids, seq, page)
     rows, valid = R.pages_to_rows(page_ids, seq, page)
     close(want, R.sparse_decode_attention(q, k, v, r2t, req_rows, rows, valid), dtype, "ref")
@@ -558,6 +562,8 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     res = subprocess.run(
         [sys.executable, str(PKG_ROOT / "bench" / "compile_report.py"), "--dtypes", "fp16,fp32",
          "--json", str(report)], capture_output=True, text=True, timeout=300)
+    if res.returncode == 3:
+        pytest.skip(res.stderr.strip())
     assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
     kernels = {r["kernel"] for r in json.loads(report.read_text())}
     assert kernels == {"_decode_partial_kernel", "_decode_reduce_kernel", "_quest_update_kernel",

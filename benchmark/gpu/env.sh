@@ -7,4 +7,4 @@ mkdir -p "$ep/sglang_sparse-0.1.0.dist-info"
 printf 'Metadata-Version: 2.1\nName: sglang-sparse\nVersion: 0.1.0\n' > "$ep/sglang_sparse-0.1.0.dist-info/METADATA"
 printf '[sglang.srt.plugins]\nsglang_sparse = sglang_sparse.srt.plugin:load\n' \
   > "$ep/sglang_sparse-0.1.0.dist-info/entry_points.txt"
-export PYTHONPATH="$PWD/python:$ep:$PYTHONPATH"
+export PYTHONPATH="$PWD/python:$PWD/sgl-kernel-sparse/python:$ep:$PYTHONPATH"

@@ -105,8 +105,10 @@ def decode_cases(dtype, quick, sweep, T, R, g):
             yield dict(
                 kernel="sparse_decode_attention", shape=f"B={b} N={n_sel} ctx={ctx}",
                 config=cfg or "auto", bytes=moved,
-                run=lambda cfg=cfg: T.sparse_decode_attention(q, k, v, r2t, req, rows, valid, **cfg),
-                ref=(lambda: R.sparse_decode_attention(q, k, v, r2t, req, rows, valid)) if not cfg else None,
+                run=lambda cfg=cfg: T.sparse_decode_attention(q, k, v, r2t, req, rows, valid,
+                                                              **cfg),
+                ref=None if cfg else (
+                    lambda: R.sparse_decode_attention(q, k, v, r2t, req, rows, valid)),
             )
         # Quest-shaped: whole pages (16 tokens), 128 pages per head, same token budget
         page = SIZES["page"]
@@ -196,7 +198,8 @@ def compact_cases(dtype, quick, T, R, g):
                ref=lambda: R.compact_kv(k, v, src, dst))
     src2 = src + keep  # sources all past the destinations
     yield dict(kernel="compact_kv", shape=f"{keep} of {length} rows/head", config="assume_disjoint",
-               bytes=2 * rows + idx, run=lambda: T.compact_kv(k, v, src2, dst, assume_disjoint=True),
+               bytes=2 * rows + idx,
+               run=lambda: T.compact_kv(k, v, src2, dst, assume_disjoint=True),
                ref=None)
 
 
@@ -215,10 +218,13 @@ def main() -> int:
     timer = Timer(args.warmup, args.iters, not args.no_flush)
     g = torch.Generator(device=DEVICE).manual_seed(0)
     ceiling = args.hbm_tbps * 1e12
-    gens = [decode_cases(dtype, args.quick, args.sweep, T, R, g), quest_cases(dtype, args.quick, T, R, g),
-            snapkv_cases(dtype, args.quick, T, R, g), compact_cases(dtype, args.quick, T, R, g)]
+    gens = [decode_cases(dtype, args.quick, args.sweep, T, R, g),
+            quest_cases(dtype, args.quick, T, R, g),
+            snapkv_cases(dtype, args.quick, T, R, g),
+            compact_cases(dtype, args.quick, T, R, g)]
     results = []
-    head = f"{'kernel':<30} {'shape':<30} {'config':<28} {'ms':>8} {'MB':>8} {'GB/s':>8} {'%HBM':>6} {'ref ms':>8} {'x ref':>6}"
+    head = (f"{'kernel':<30} {'shape':<30} {'config':<28} {'ms':>8} {'MB':>8} {'GB/s':>8} "
+            f"{'%HBM':>6} {'ref ms':>8} {'x ref':>6}")
     print(f"# {torch.cuda.get_device_name()}  dtype={args.dtype}  HBM ceiling {args.hbm_tbps} TB/s")
     print(head)
     print("-" * len(head))
@@ -235,7 +241,8 @@ def main() -> int:
             results.append(row)
             ref_s = f"{ref_ms:8.3f} {ref_ms / ms:6.1f}" if ref_ms else f"{'-':>8} {'-':>6}"
             print(f"{row['kernel']:<30} {row['shape']:<30} {row['config']:<28} {ms:8.3f} "
-                  f"{case['bytes'] / 1e6:8.1f} {gbps:8.0f} {row['pct_hbm']:6.1f} {ref_s}", flush=True)
+                  f"{case['bytes'] / 1e6:8.1f} {gbps:8.0f} {row['pct_hbm']:6.1f} {ref_s}",
+                  flush=True)
     meta = dict(device=torch.cuda.get_device_name(), dtype=args.dtype, hbm_tbps=args.hbm_tbps,
                 torch=torch.__version__, triton=triton.__version__, warmup=args.warmup,
                 iters=args.iters, l2_flush=not args.no_flush, heads=dict(hq=HQ, hkv=HKV, d=D))

@@ -6,7 +6,8 @@ replaced by an ahead-of-time compile (same signature, constexprs and 16-byte div
 specialization a real launch would use). Catches compile errors the interpreter cannot see.
 
     python sgl-kernel-sparse/bench/compile_report.py [--arch 90] [--json out.json]
-Exit status 1 if a kernel fails to compile or spills more than --max-spill bytes.
+Exit status 1 if a kernel fails to compile or spills more than --max-spill bytes; 3 if this
+triton's internals differ from what the tool drives (written for triton 3.8).
 """
 
 from __future__ import annotations
@@ -26,9 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction, native_specialize_impl  # noqa: E402
+
+try:  # Triton internals this tool drives (checked against triton 3.8)
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction, native_specialize_impl
+except ImportError as exc:
+    print(f"compile_report: unsupported triton {triton.__version__}: {exc}", file=sys.stderr)
+    sys.exit(3)
 
 import sgl_kernel_sparse.triton_common as tc  # noqa: E402
 

@@ -8,13 +8,12 @@ Per layer: write this step's KV, ask the controller for the view, run attention 
 
 from __future__ import annotations
 
-import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_sparse.core.events import LayerInput
 from sglang_sparse.core.views import DecodeView
-from sglang_sparse.kernels import reference
+from sglang_sparse.kernels.decode import decode_over_views
 from sglang_sparse.srt import state
 
 
@@ -76,20 +75,18 @@ class SparseTorchNativeBackend(TorchNativeAttnBackend):
         return o
 
     def _decode_over_view(self, inp: LayerInput, view: DecodeView, layer, forward_batch):
-        k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
-        req_to_token = self.req_to_token_pool.req_to_token
-        group = layer.tp_q_head_num // layer.tp_k_head_num
-        kv_head = (torch.arange(layer.tp_q_head_num, device=k_cache.device) // group).view(-1, 1)
-        out = torch.empty(
-            inp.q.shape[0], layer.tp_q_head_num, layer.v_head_dim, dtype=inp.q.dtype, device=inp.q.device
+        reqs = inp.step.requests
+        out = decode_over_views(
+            inp.q,
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            self.req_to_token_pool.req_to_token,
+            [r.req_row for r in reqs],
+            view.rows,
+            view.valid,
+            [r.row_start + r.num_tokens for r in reqs],  # resident rows incl. this token
+            layer.scaling,
         )
-        for i, r in enumerate(inp.step.requests):
-            rows, valid = view.rows[i], view.valid[i]
-            slots = req_to_token[r.req_row, rows.clamp(max=r.logical_end - 1)].to(torch.int64)
-            out[i] = reference.gathered_decode_attention(
-                inp.q[i], k_cache[slots, kv_head], v_cache[slots, kv_head], valid, layer.scaling
-            )
         return out.view(inp.q.shape[0], -1)
 
 

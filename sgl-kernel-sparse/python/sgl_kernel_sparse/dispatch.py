@@ -72,7 +72,8 @@ def quest_page_scores(q, kmin, kmax, n_pages, summary_rows=None, **triton_kwargs
 
 
 def snapkv_window_scores(q_win, k, scale=None, slots=None, **triton_kwargs):
-    return _pick("snapkv_window_scores", (q_win, k), dict(scale=scale, slots=slots, **triton_kwargs))
+    return _pick("snapkv_window_scores", (q_win, k),
+                 dict(scale=scale, slots=slots, **triton_kwargs))
 
 
 def compact_kv(k_cache, v_cache, src_slots, dst_slots, **triton_kwargs):

@@ -49,8 +49,8 @@ def sparse_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, rows, v
 
 def pages_to_rows(page_ids, seq_lens, page):
     """Expand page selections to positions: page ``p`` covers positions ``p*page .. p*page+page-1``.
-    page_ids ``[B, Hq, P]`` (``-1`` = padding), seq_lens ``[B]``. Returns rows, valid ``[B, Hq, P*page]``;
-    positions ``>= seq_lens[b]`` (the partial last page) are invalid."""
+    page_ids ``[B, Hq, P]`` (``-1`` = padding), seq_lens ``[B]``. Returns rows, valid
+    ``[B, Hq, P*page]``; positions ``>= seq_lens[b]`` (the partial last page) are invalid."""
     j = torch.arange(page, device=page_ids.device)
     pid = page_ids.long()
     rows = (pid.unsqueeze(-1) * page + j).flatten(-2)

@@ -169,7 +169,8 @@ def sparse_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, rows, v
                             scale=None, num_splits=None, block_n=None):
     """Triton version of ``reference.sparse_decode_attention`` (rows ``[B, Hq, N]`` + valid)."""
     if rows.shape != valid.shape or rows.shape[:2] != q.shape[:2]:
-        raise ValueError(f"rows {tuple(rows.shape)} / valid {tuple(valid.shape)} vs q {tuple(q.shape)}")
+        raise ValueError(f"rows {tuple(rows.shape)} / valid {tuple(valid.shape)} "
+                         f"vs q {tuple(q.shape)}")
     return _launch(q, k_cache, v_cache, req_to_token, req_rows, rows, valid, None, 1, False,
                    rows.shape[2], scale, num_splits, block_n)
 

@@ -104,7 +104,8 @@ def quest_update_summaries(k_cache, req_to_token, req_rows, starts, ends, kmin, 
     if n == 0:
         return kmin, kmax
     if max_pages is None:
-        span = (ends - 1).div(page, rounding_mode="floor") - starts.div(page, rounding_mode="floor") + 1
+        first = starts.div(page, rounding_mode="floor")
+        span = (ends - 1).div(page, rounding_mode="floor") - first + 1
         max_pages = int(span.max())
     if max_pages <= 0:
         return kmin, kmax
@@ -112,7 +113,8 @@ def quest_update_summaries(k_cache, req_to_token, req_rows, starts, ends, kmin, 
     _quest_update_kernel[(n, max_pages, hkv)](
         k_cache, req_to_token, req_rows, summary_rows, starts, ends, kmin, kmax,
         k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0),
-        kmin.stride(0), kmin.stride(1), kmin.stride(2), kmax.stride(0), kmax.stride(1), kmax.stride(2),
+        kmin.stride(0), kmin.stride(1), kmin.stride(2),
+        kmax.stride(0), kmax.stride(1), kmax.stride(2),
         D=d, PAGE=int(page), BLOCK_T=pow2(page), BLOCK_D=pow2(d, 16), num_warps=4,
     )
     return kmin, kmax
