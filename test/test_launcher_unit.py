@@ -84,3 +84,26 @@ def test_default_model_dir_is_verified(default_model_dir):
     config = json.loads((default_model_dir / "config.json").read_text())
     assert config["num_hidden_layers"] == 30 and config["num_key_value_heads"] == 3
     assert (default_model_dir / "chat_template.jinja").is_file()
+
+
+@pytest.mark.parametrize("device,backend,graphs_off", [
+    ("cpu", "torch_native", False), ("cuda", "triton", True),
+])
+def test_sparse_config_picks_the_backend_of_the_device(device, backend, graphs_off):
+    from sglang_sparse.srt.launcher import sparse_config
+
+    config, argv = sparse_config(["--device", device, "--sparse-method", "quest"], log=lambda m: None)
+    assert config["method"] == "quest"
+    assert argv[argv.index("--attention-backend") + 1] == backend
+    assert ("--disable-cuda-graph" in argv) is graphs_off  # per-step selection is Python code
+
+
+def test_sparse_config_keeps_cuda_graphs_for_dense_and_refuses_other_backends():
+    from sglang_sparse.registry import ConfigError
+    from sglang_sparse.srt.launcher import sparse_config
+
+    _, argv = sparse_config(["--device", "cuda", "--attention-backend", "triton"], log=lambda m: None)
+    assert "--disable-cuda-graph" not in argv  # dense has no per-layer hooks
+    with pytest.raises(ConfigError, match="needs --attention-backend torch_native or triton \\(got fa3\\)"):
+        sparse_config(["--device", "cuda", "--sparse-method", "snapkv", "--attention-backend", "fa3"],
+                      log=lambda m: None)

@@ -14,10 +14,6 @@ from sglang_sparse.core.runtime import SparseMethodRuntime
 from sglang_sparse.core.views import DecodeView
 
 
-LAYER_HOOKS = ("before_attention", "on_prefill_chunk", "build_decode_selection",
-               "after_attention", "on_layer_end")
-
-
 class SparseController:
     def __init__(self, runtime: SparseMethodRuntime) -> None:
         self.runtime = runtime
@@ -27,9 +23,7 @@ class SparseController:
         self.counters: dict[str, int] = {}
         # A runtime that overrides no per-layer hook (dense) lets the adapter skip the per-layer
         # calls entirely: default hooks are no-ops, so skipping them changes nothing.
-        self.layer_hooks = any(
-            getattr(type(runtime), h) is not getattr(SparseMethodRuntime, h) for h in LAYER_HOOKS
-        )
+        self.layer_hooks = type(runtime).has_layer_hooks()
 
     # -- requests ----------------------------------------------------------------------------
     def request_started(self, rid: str, req_row: int, prompt_len: int, cached_len: int = 0) -> None:

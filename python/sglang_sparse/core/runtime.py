@@ -31,6 +31,10 @@ from sglang_sparse.core.memory_oracle import MemoryOracle
 from sglang_sparse.core.views import DecodeView
 
 
+LAYER_HOOKS = ("before_attention", "on_prefill_chunk", "build_decode_selection",
+               "after_attention", "on_layer_end")
+
+
 class SparseMethodRuntime:
     """Base class. Subclasses set ``name`` and usually override a few hooks."""
 
@@ -38,6 +42,12 @@ class SparseMethodRuntime:
     # Capabilities the engine adapter checks (never the method's name):
     changes_attention = True  # False: attention may run without the sparse backend (pass-through)
     evicts_kv = False  # True: releases KV slots during a request (needs physical eviction support)
+
+    @classmethod
+    def has_layer_hooks(cls) -> bool:
+        """Whether any per-layer hook is overridden. Without one (dense) the adapter may skip the
+        per-layer calls (defaults are no-ops) and keep the engine's fast paths (CUDA graphs)."""
+        return any(getattr(cls, h) is not getattr(SparseMethodRuntime, h) for h in LAYER_HOOKS)
 
     def __init__(self, cache: CacheManager, oracle: MemoryOracle | None = None) -> None:
         self.cache = cache

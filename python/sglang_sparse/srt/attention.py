@@ -1,9 +1,16 @@
-"""The attention backend that hands each layer to the SparseController (CPU: torch_native).
+"""Attention backends that hand each layer to the SparseController.
 
-Registered under SGLang's own name ``torch_native`` when an sglang_sparse server runs a method,
-so SGLang's CPU default and its torch_native rules (CUDA graphs off) apply unchanged.
-Per layer: write this step's KV, ask the controller for the view, run attention over it
-(dense: SGLang's own SDPA path; a DecodeView: gathered rows), then report the output.
+``SparseHooks`` is the per-layer logic, mixed into two of SGLang's own backends and registered
+under their names when an sglang_sparse server runs (so SGLang's rules for each name apply):
+
+- ``torch_native`` (``SparseTorchNativeBackend``): the CPU path;
+- ``triton`` (``SparseTritonBackend``, in ``attention_triton``): the CUDA path.
+
+Per layer: write this step's KV, ask the controller for the view, run attention over it (no view:
+the backend's own dense kernel over the resident rows; a DecodeView: ``kernels.decode``, i.e.
+sgl-kernel-sparse's Triton kernel on CUDA, the plain-torch reference elsewhere), then report the
+output. A method without per-layer hooks (dense) takes the backend's own path untouched, so
+CUDA graphs stay available to it.
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ from sglang_sparse.kernels.decode import decode_over_views
 from sglang_sparse.srt import state
 
 
-class SparseTorchNativeBackend(TorchNativeAttnBackend):
+class SparseHooks:
+    """Mixed in before an SGLang attention backend class; ``_write_kv`` is backend-specific."""
+
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)
         if state.pos_offset is not None and forward_batch.forward_mode.is_decode():
@@ -27,9 +36,7 @@ class SparseTorchNativeBackend(TorchNativeAttnBackend):
             ].to(forward_batch.positions.dtype)
 
     def _write_kv(self, k, v, layer, forward_batch) -> None:
-        self.token_to_kv_pool.set_kv_buffer(
-            layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
-        )
+        raise NotImplementedError
 
     def _layer_input(self, q, k, v, layer) -> LayerInput:
         d = layer.qk_head_dim
@@ -41,9 +48,12 @@ class SparseTorchNativeBackend(TorchNativeAttnBackend):
             v.reshape(-1, layer.tp_k_head_num, layer.v_head_dim),
         )
 
-    def _hooked(self, k, layer, save_kv_cache) -> bool:
+    def _hooked(self, k, layer, save_kv_cache, extra: dict) -> bool:
+        """Plain attention of a running method's step; anything else (sinks, score mods, cross
+        attention, a read-back without new KV) is left to the backend untouched."""
         return (
-            state.controller is not None
+            all(v is None for v in extra.values())
+            and state.controller is not None
             and state.controller.layer_hooks
             and state.current_step is not None
             and save_kv_cache
@@ -51,9 +61,9 @@ class SparseTorchNativeBackend(TorchNativeAttnBackend):
             and not layer.is_cross_attention
         )
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        if not self._hooked(k, layer, save_kv_cache):
-            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        if not self._hooked(k, layer, save_kv_cache, kwargs):
+            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         self._write_kv(k, v, layer, forward_batch)
         inp = self._layer_input(q, k, v, layer)
         state.controller.attention_view(inp)  # prefill stays dense (no sparse-prefill method yet)
@@ -61,9 +71,9 @@ class SparseTorchNativeBackend(TorchNativeAttnBackend):
         state.controller.attention_done(inp, o.view(-1, layer.tp_q_head_num, layer.v_head_dim))
         return o
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        if not self._hooked(k, layer, save_kv_cache):
-            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        if not self._hooked(k, layer, save_kv_cache, kwargs):
+            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         self._write_kv(k, v, layer, forward_batch)
         inp = self._layer_input(q, k, v, layer)
         view = state.controller.attention_view(inp)
@@ -88,6 +98,13 @@ class SparseTorchNativeBackend(TorchNativeAttnBackend):
             layer.scaling,
         )
         return out.view(inp.q.shape[0], -1)
+
+
+class SparseTorchNativeBackend(SparseHooks, TorchNativeAttnBackend):
+    def _write_kv(self, k, v, layer, forward_batch) -> None:
+        self.token_to_kv_pool.set_kv_buffer(
+            layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
+        )
 
 
 def create_backend(model_runner):

@@ -38,6 +38,7 @@ def _given_flags(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--context-length", type=int)
     parser.add_argument("--sleep-on-idle", action="store_true")
     parser.add_argument("--attention-backend")
+    parser.add_argument("--disable-cuda-graph", action="store_true")
     known, _ = parser.parse_known_args(argv)
     return known
 
@@ -105,6 +106,17 @@ def complete_argv(argv: list[str], log=logger.info) -> list[str]:
     return argv
 
 
+SPARSE_BACKENDS = ("torch_native", "triton")
+
+
+def _serves_on_gpu(given: argparse.Namespace) -> bool:
+    if given.device is not None:
+        return given.device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def sparse_config(argv: list[str], log=logger.info) -> tuple[dict, list[str]]:
     """Take the sglang_sparse flags out of argv and check the method can run with the rest.
     Raises ConfigError with a sentence saying what is wrong."""
@@ -119,14 +131,24 @@ def sparse_config(argv: list[str], log=logger.info) -> tuple[dict, list[str]]:
             if flag not in argv:
                 argv.append(flag)
                 log(f"sglang_sparse: {config['method']} evicts KV physically; added {flag}")
-    backend = _given_flags(argv).attention_backend
-    if runtime.changes_attention and backend not in (None, "torch_native"):
-        raise ConfigError(
-            f"--sparse-method {config['method']} needs --attention-backend torch_native "
-            f"(got {backend}); sparse kernels for other backends are not available yet"
-        )
-    if runtime.changes_attention and backend is None:
-        argv += ["--attention-backend", "torch_native"]
+    given = _given_flags(argv)
+    if runtime.changes_attention:
+        on_gpu = _serves_on_gpu(given)
+        backend = given.attention_backend
+        if backend not in (None, *SPARSE_BACKENDS):
+            raise ConfigError(
+                f"--sparse-method {config['method']} needs --attention-backend "
+                f"{' or '.join(SPARSE_BACKENDS)} (got {backend}); sparse kernels for other backends are not available yet"
+            )
+        if backend is None:
+            backend = "triton" if on_gpu else "torch_native"
+            argv += ["--attention-backend", backend]
+            log(f"sglang_sparse: {config['method']} runs on the {backend} attention backend; added --attention-backend {backend}")
+    if runtime.has_layer_hooks() and _serves_on_gpu(given) and not given.disable_cuda_graph:
+        # The per-layer hooks are Python code between kernels: a captured graph would replay
+        # the first step's selection forever.
+        argv.append("--disable-cuda-graph")
+        log(f"sglang_sparse: {config['method']} selects per step in Python; added --disable-cuda-graph")
     log(f"sglang_sparse: method {config['method']} {config['options']}")
     return config, argv
 

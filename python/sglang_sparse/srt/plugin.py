@@ -48,6 +48,13 @@ def _register_runtime() -> None:
     from sglang_sparse.srt import admission, attention, step_hooks
 
     register_attention_backend("torch_native")(attention.create_backend)
-    status.REGISTRATIONS.append("attention-backend:torch_native")
+    register_attention_backend("triton")(_create_triton_backend)
+    status.REGISTRATIONS.extend(["attention-backend:torch_native", "attention-backend:triton"])
     status.REGISTRATIONS.extend(step_hooks.register())
     status.REGISTRATIONS.extend(admission.register())
+
+
+def _create_triton_backend(model_runner):
+    from sglang_sparse.srt import attention_triton  # loads SGLang's Triton backend: CUDA only
+
+    return attention_triton.create_backend(model_runner)

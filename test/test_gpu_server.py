@@ -1,0 +1,94 @@
+"""The CUDA path through real servers (GPU machine only; skipped elsewhere): SGLang's Triton
+backend with the sparse hooks, sgl-kernel-sparse's decode kernel for Quest, SnapKV compaction on
+the GPU pool, and dense keeping CUDA graphs with the same tokens as plain SGLang and as eager.
+
+The model is the default model's config and tokenizer with random weights (``--load-format
+dummy``; the weights do not travel to the GPU machine): ``$SGLANG_SPARSE_GPU_MODEL``, made by
+``benchmark/gpu/prepare.sh``. Greedy tokens of random weights are still deterministic, so token
+equality between two servers running the same kernels is a real check."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import requests
+
+from conftest import start_server
+
+pytestmark = pytest.mark.gpu
+
+POOL = 65536
+COMMON = ["--load-format", "dummy", "--attention-backend", "triton", "--sampling-backend", "pytorch",
+          "--max-total-tokens", str(POOL), "--log-level", "warning"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    path = os.environ.get("SGLANG_SPARSE_GPU_MODEL", ".gpumodel/smollm2-135m")
+    if not os.path.isdir(path):
+        pytest.skip(f"no model config at {path} (benchmark/gpu/prepare.sh makes it)")
+    return path
+
+
+def prompts(n_tokens: int, count: int) -> list[list[int]]:
+    return [[1000 + (31 * i + 7 * j) % 30000 for j in range(n_tokens)] for i in range(count)]
+
+
+def generate(srv, ids, n=16) -> dict:
+    resp = requests.post(srv.base_url + "/generate", timeout=600, json={
+        "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def stats(srv) -> dict:
+    return requests.get(srv.base_url + "/sparse/stats", timeout=60).json()
+
+
+def test_dense_with_cuda_graphs_matches_plain_sglang_and_eager(model, request):
+    batch = prompts(300, 4)
+    args = ["--model-path", model, *COMMON]
+    plain = start_server(args, request, module="sglang.launch_server")
+    want = [r["output_ids"] for r in generate(plain, batch)]
+    plain.stop()
+    graphs = start_server(args, request)
+    assert [r["output_ids"] for r in generate(graphs, batch)] == want
+    assert requests.post(graphs.base_url + "/flush_cache", timeout=60).status_code == 200  # radix-cached KV
+    s = stats(graphs)
+    assert s["method"] == "dense" and s["steps"] > 0 and s["kv_free_slots"] == s["kv_total_slots"]
+    graphs.stop()
+    eager = start_server(args + ["--disable-cuda-graph"], request)
+    assert [r["output_ids"] for r in generate(eager, batch)] == want
+
+
+def test_quest_reads_selected_pages_through_the_triton_kernel(model, request):
+    page, budget, dense_layers, layers, hq = 16, 64, 2, 30, 9
+    srv = start_server(["--model-path", model, *COMMON, "--sparse-method", "quest", "--sparse-page-size",
+                        str(page), "--sparse-token-budget", str(budget), "--sparse-dense-layers",
+                        str(dense_layers), "--disable-radix-cache"], request)
+    before = stats(srv)
+    out = generate(srv, prompts(1000, 1)[0], n=2)  # one decode step over 1001 tokens
+    assert len(out["output_ids"]) == 2
+    after = stats(srv)
+    heads = (layers - dense_layers) * hq
+    assert after["counters"]["pages_total"] - before["counters"].get("pages_total", 0) == heads * -(-1001 // page)
+    assert after["counters"]["pages_selected"] - before["counters"].get("pages_selected", 0) == heads * 4
+    # a batch of long requests decodes through the batched kernel and gives every slot back
+    for r in generate(srv, prompts(3000, 8), n=24):
+        assert len(r["output_ids"]) == 24
+    end = stats(srv)
+    assert end["kv_free_slots"] == end["kv_total_slots"] and end["counters"]["slots_released"] == 0
+
+
+def test_snapkv_compacts_on_the_gpu_pool(model, request):
+    budget = 256
+    srv = start_server(["--model-path", model, *COMMON, "--sparse-method", "snapkv", "--sparse-budget",
+                        str(budget)], request)
+    before = stats(srv)
+    batch = prompts(4000, 6)
+    outs = generate(srv, batch, n=32)
+    assert all(len(r["output_ids"]) == 32 for r in outs)
+    after = stats(srv)
+    assert after["counters"]["slots_released"] - before["counters"]["slots_released"] == 6 * (4000 - budget)
+    assert after["kv_free_slots"] == after["kv_total_slots"]
