@@ -79,11 +79,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
     ap.add_argument("--prompt-len", type=int, default=1024)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 4],
+                    help="decode concurrencies; none: residency only")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--window", type=int, default=24)
     ap.add_argument("--residency-requests", type=int, default=12)
     ap.add_argument("--residency-pool", type=int, default=4096)
+    ap.add_argument("--no-residency", action="store_true", help="skip the residency measurement")
     ap.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     ap.add_argument("--out", default="methods_cpu.json")
     ap.add_argument("extra", nargs="*", help="extra SGLang flags for every server (after --)")
@@ -92,16 +94,19 @@ def main() -> None:
 
     results: dict[str, dict] = {}
     new = args.warmup + args.window + 2
-    pool = max(args.concurrency) * (args.prompt_len + new) + 1024
+    pool = max(args.concurrency, default=1) * (args.prompt_len + new) + 1024
     for name in args.methods:
-        flags = METHODS[name] + common + ["--max-total-tokens", str(pool), "--log-level", "warning"]
-        with ServerProcess(flags) as srv:
-            decode_window(srv.base_url, 1, 64, 2, 4, seed=0)  # discarded workload
-            res = {f"decode_tok_s@{c}": decode_window(srv.base_url, c, args.prompt_len, args.warmup, args.window, seed=c)
-                   for c in args.concurrency}
-        flags = METHODS[name] + common + ["--max-total-tokens", str(args.residency_pool), "--log-level", "warning"]
-        with ServerProcess(flags) as srv:
-            res["peak_resident"] = residency(srv.base_url, args.residency_requests, args.prompt_len, new)
+        res = {}
+        if args.concurrency:
+            flags = METHODS[name] + common + ["--max-total-tokens", str(pool), "--log-level", "warning"]
+            with ServerProcess(flags) as srv:
+                decode_window(srv.base_url, 1, 64, 2, 4, seed=0)  # discarded workload
+                res = {f"decode_tok_s@{c}": decode_window(srv.base_url, c, args.prompt_len, args.warmup,
+                                                          args.window, seed=c) for c in args.concurrency}
+        if not args.no_residency:
+            flags = METHODS[name] + common + ["--max-total-tokens", str(args.residency_pool), "--log-level", "warning"]
+            with ServerProcess(flags) as srv:
+                res["peak_resident"] = residency(srv.base_url, args.residency_requests, args.prompt_len, new)
         results[name] = res
         print(name, json.dumps(res), flush=True)
 
@@ -109,7 +114,7 @@ def main() -> None:
     cols = [f"decode_tok_s@{c}" for c in args.concurrency]
     print(f"{'method':<10}" + "".join(f"{c:>20}" for c in cols) + f"{'peak resident':>15}")
     for name, res in results.items():
-        print(f"{name:<10}" + "".join(f"{res[c]['decode_tok_s']:>20.2f}" for c in cols) + f"{res['peak_resident']:>15}")
+        print(f"{name:<10}" + "".join(f"{res[c]['decode_tok_s']:>20.2f}" for c in cols) + f"{res.get('peak_resident', '-'):>15}")
     print(f"(residency: {args.residency_requests} requests of {args.prompt_len}+{new} tokens, "
           f"pool {args.residency_pool} slots; dense arithmetic allows {args.residency_pool // (args.prompt_len + new)})")
     path = write_json(args.out, {"command": "python " + " ".join(sys.argv), "machine": platform.platform(),

@@ -69,6 +69,12 @@ def ask(base_url: str, ids: list[int]) -> str:
     return resp.json()["text"]
 
 
+def save(args, results: dict) -> Path:
+    return write_json(args.out, {"command": "python " + " ".join(sys.argv), "machine": platform.platform(),
+                                 "needle": NEEDLE, "question": QUESTION, "keys": KEYS,
+                                 "settings": vars(args), "configs": CONFIGS, "results": results})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -102,6 +108,7 @@ def main() -> None:
             "seconds": round(time.monotonic() - t0, 1),
         }
         print(f"{name}: accuracy {results[name]['accuracy']:.2f} ({results[name]['seconds']} s)", flush=True)
+        save(args, results)  # after every config: a run stopped early keeps what it measured
 
     print(f"\nneedle found (1) or not (.) per depth {args.depths}; columns: context length")
     print(f"{'config':<13}" + "".join(f"{n:>{len(args.depths) + 3}}" for n in args.lengths) + "   accuracy")
@@ -109,10 +116,7 @@ def main() -> None:
         row = {(c["length"], c["depth"]): c["found"] for c in res["cells"]}
         marks = ["".join("1" if row[(n, d)] else "." for d in args.depths) for n in args.lengths]
         print(f"{name:<13}" + "".join(f"{m:>{len(args.depths) + 3}}" for m in marks) + f"   {res['accuracy']:.2f}")
-    path = write_json(args.out, {"command": "python " + " ".join(sys.argv), "machine": platform.platform(),
-                                 "needle": NEEDLE, "question": QUESTION, "keys": KEYS,
-                                 "settings": vars(args), "configs": CONFIGS, "results": results})
-    print(f"wrote {path}")
+    print(f"wrote {save(args, results)}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Quest through the real server (CPU, torch_native backend): full KV stays resident, attention
-reads only the selected pages in non-dense layers, nothing leaks."""
+reads only the selected pages in non-dense layers, the radix cache keeps working (a cached prefix
+is summarised on the fly and gives the same answer), nothing leaks."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from conftest import start_server
 PAGE, BUDGET, DENSE_LAYERS, LAYERS, HQ = 16, 64, 2, 30, 9
 ARGS = ["--max-total-tokens", "8192", "--log-level", "warning", "--sparse-method", "quest",
         "--sparse-page-size", str(PAGE), "--sparse-token-budget", str(BUDGET),
-        "--sparse-dense-layers", str(DENSE_LAYERS), "--disable-radix-cache"]
+        "--sparse-dense-layers", str(DENSE_LAYERS), "--dtype", "float32"]
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +25,8 @@ def stats(server):
 
 
 def test_quest_reads_selected_pages_keeps_everything_and_does_not_leak(server):
+    # SGLang's start-up warm-up request left its KV in the radix tree
+    assert requests.post(server.base_url + "/flush_cache", timeout=60).status_code == 200
     before = stats(server)
     assert before["method"] == "quest" and before["kv_free_slots"] == before["kv_total_slots"]
     prompt = list(range(1000, 1000 + 300))  # 300 tokens: 19 pages at the decode step
@@ -39,9 +42,11 @@ def test_quest_reads_selected_pages_keeps_everything_and_does_not_leak(server):
     assert c1.get("pages_total", 0) - c0.get("pages_total", 0) == heads * n_pages
     assert c1.get("pages_selected", 0) - c0.get("pages_selected", 0) == heads * n_sel
     assert c1["slots_released"] == 0  # selection is logical: nothing is evicted
-    # With the radix cache off, the finished request's slots all came back.
-    assert after["kv_free_slots"] == after["kv_total_slots"]
     assert after["running_requests"] == 0
+    # The finished request's KV is now radix-cached; flushing gives every slot back.
+    assert requests.post(server.base_url + "/flush_cache", timeout=60).status_code == 200
+    flushed = stats(server)
+    assert flushed["kv_free_slots"] == flushed["kv_total_slots"]
 
 
 def test_quest_answers_like_dense_when_the_budget_covers_everything(server):
@@ -50,3 +55,32 @@ def test_quest_answers_like_dense_when_the_budget_covers_everything(server):
     body = {"text": "The capital of France is", "sampling_params": {"temperature": 0, "max_new_tokens": 3}}
     out = requests.post(server.base_url + "/generate", json=body, timeout=300).json()
     assert out["text"].startswith(" Paris")
+
+
+def generate(server, ids, n):
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}}
+    resp = requests.post(server.base_url + "/generate", json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_radix_cached_prefix_gives_the_same_selection_and_answer(server):
+    """Quest keeps page summaries per request. A request whose prefix comes from the radix cache
+    summarises the cached keys when it starts, so it reads the same pages and answers the same
+    as when its whole prompt was prefilled."""
+    assert requests.post(server.base_url + "/flush_cache", timeout=60).status_code == 200
+    prefix = [2000 + (11 * j) % 9000 for j in range(400)]
+    prompt = prefix + list(range(500, 540))
+    c0 = stats(server)["counters"].get("pages_selected", 0)
+    cold = generate(server, prompt, 8)
+    assert cold["meta_info"]["cached_tokens"] == 0
+    cold_pages = stats(server)["counters"]["pages_selected"] - c0
+    requests.post(server.base_url + "/flush_cache", timeout=60)
+    generate(server, prefix + list(range(700, 720)), 1)  # puts the prefix in the radix tree
+    c1 = stats(server)["counters"]["pages_selected"]
+    warm = generate(server, prompt, 8)
+    assert warm["meta_info"]["cached_tokens"] >= len(prefix)
+    assert warm["output_ids"] == cold["output_ids"]
+    # the warm run read as many pages as the cold one (same lengths, same budget): the cached
+    # prefix was summarised, not skipped
+    assert stats(server)["counters"]["pages_selected"] - c1 == cold_pages > 0

@@ -32,9 +32,32 @@ def stats(server) -> dict:
 
 
 def generate(server, body) -> dict:
-    resp = requests.post(server.base_url + "/generate", json=body, timeout=600)
+    resp = requests.post(server.base_url + "/generate", json=body, timeout=1800)
     assert resp.status_code == 200, resp.text
     return resp.json()
+
+
+def peak_running(server, bodies) -> int:
+    """Send all requests at once; the most requests running together, polled from the stats."""
+    errors: list[BaseException] = []
+
+    def run(body):
+        try:
+            generate(server, body)
+        except BaseException as err:  # a thread's exception would otherwise vanish
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(b,)) for b in bodies]
+    for t in threads:
+        t.start()
+    peak = 0
+    while any(t.is_alive() for t in threads):
+        peak = max(peak, stats(server)["running_requests"])
+        time.sleep(0.2)
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return peak
 
 
 def test_compaction_releases_exactly_the_evicted_slots(server):
@@ -81,15 +104,7 @@ def test_small_pool_holds_many_more_long_requests_than_dense(server):
     bodies = [{"input_ids": [1000 + (7 * i + j) % 20000 for j in range(prompt_len)],
                "sampling_params": {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}}
               for i in range(n)]
-    threads = [threading.Thread(target=generate, args=(server, b)) for b in bodies]
-    for t in threads:
-        t.start()
-    peak = 0
-    while any(t.is_alive() for t in threads):
-        peak = max(peak, stats(server)["running_requests"])
-        time.sleep(0.2)
-    for t in threads:
-        t.join()
+    peak = peak_running(server, bodies)
     assert peak >= 2 * dense_capacity, f"peak residency {peak}"
     assert stats(server)["kv_free_slots"] == POOL
 
@@ -117,15 +132,7 @@ def test_admission_reserves_retained_rows_for_decoding(server):
     bodies = [{"input_ids": _ids(1300, 2 + i), "sampling_params": {"temperature": 0, "max_new_tokens": 400,
                                                                     "ignore_eos": True}}
               for i in range(2)]
-    threads = [threading.Thread(target=generate, args=(server, b)) for b in bodies]
-    for t in threads:
-        t.start()
-    peak = 0
-    while any(t.is_alive() for t in threads):
-        peak = max(peak, stats(server)["running_requests"])
-        time.sleep(0.2)
-    for t in threads:
-        t.join()
+    peak = peak_running(server, bodies)
     after = stats(server)
     assert peak == 2
     # each request reserved max(0, 64 + 400 - 1300) = 0 decode rows instead of 400
