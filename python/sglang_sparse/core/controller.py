@@ -20,7 +20,6 @@ class SparseController:
         self.cache = runtime.cache
         self.steps = 0
         self.oracle = runtime.oracle
-        self.counters: dict[str, int] = {}
         # A runtime that overrides no per-layer hook (dense) lets the adapter skip the per-layer
         # calls entirely: default hooks are no-ops, so skipping them changes nothing.
         self.layer_hooks = type(runtime).has_layer_hooks()
@@ -64,15 +63,12 @@ class SparseController:
         requests in ``only``, None: all). Returns slots freed."""
         return self.runtime.apply_pending(only)
 
-    # -- memory (the scheduler asks before admitting and before each prefill chunk) --------------
+    # -- memory (the scheduler asks when it admits a request) ----------------------------------
     def decode_reserve(self, prompt_len: int, max_new_tokens: int) -> int:
         """Rows the scheduler should reserve for decoding beyond the prompt (see MemoryOracle)."""
         rows = self.oracle.decode_reserve(prompt_len, max_new_tokens)
-        self._count("admission_rows_saved", max_new_tokens - rows)
+        self.runtime.bump("admission_rows_saved", max_new_tokens - rows)
         return rows
-
-    def _count(self, name: str, n: int) -> None:
-        self.counters[name] = self.counters.get(name, 0) + n
 
     # -- observability -----------------------------------------------------------------------
     def stats(self) -> dict:
@@ -80,5 +76,5 @@ class SparseController:
             "method": self.runtime.name,
             "steps": self.steps,
             **self.cache.totals(),
-            "counters": {**self.cache.counters, **self.counters, **self.runtime.counters},
+            "counters": {**self.cache.counters, **self.runtime.counters},
         }
