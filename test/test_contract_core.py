@@ -8,9 +8,10 @@ import torch
 
 from sglang_sparse.core.cache_manager import CacheManager
 from sglang_sparse.core.controller import SparseController
-from sglang_sparse.core.events import LayerInput, RequestSlice, StepInfo, StepMode
+from sglang_sparse.core.events import DecodeBatch, LayerInput, RequestSlice, StepInfo, StepMode
 from sglang_sparse.core.kv_store import TensorKVStore
 from sglang_sparse.kernels import reference
+from sglang_sparse.kernels.decode import decode_over_pages
 from sglang_sparse.registry import ConfigError, build_config, get_method, method_names
 
 LAYERS, HQ, HKV, D = 3, 4, 2, 8
@@ -20,8 +21,8 @@ class ToyEngine:
     """Feeds given per-layer q/k/v through the contract like an engine would: allocate rows,
     begin_step, write KV, per-layer attention_view / attention_done, end_step, safe_point."""
 
-    def __init__(self, method: str, knobs: dict | None = None, slots: int = 512) -> None:
-        self.store = TensorKVStore(LAYERS, slots, HKV, D)
+    def __init__(self, method: str, knobs: dict | None = None, slots: int = 512, page_size: int = 1) -> None:
+        self.store = TensorKVStore(LAYERS, slots, HKV, D, page_size=page_size)
         spec = get_method(method)
         runtime = spec.runtime_cls(CacheManager(self.store, HKV), build_config(method, knobs))
         self.ctl = SparseController(runtime)
@@ -38,11 +39,21 @@ class ToyEngine:
                 off = step.token_offsets[i]
                 rows = self.store.row_slots(s.req_row, s.row_start, s.row_start + s.num_tokens)
                 self.store.write(layer, rows, k[layer][off : off + s.num_tokens], v[layer][off : off + s.num_tokens])
+            if mode is StepMode.DECODE and self.ctl.graph_decode:  # the tensor-only decode hook
+                self.views.append((layer, self.ctl.decode_view_tensors(self.decode_batch(layer, slices, q, k))))
+                continue
             inp = LayerInput(layer, step, q[layer], k[layer], v[layer])
             self.views.append((layer, self.ctl.attention_view(inp)))
             self.ctl.attention_done(inp, torch.zeros_like(q[layer]))
         self.ctl.end_step(step)
         return self.ctl.safe_point()
+
+    def decode_batch(self, layer, slices, q, k):
+        rows = torch.tensor([s.req_row for s in slices])
+        n_rows = torch.tensor([s.row_start + 1 for s in slices])
+        slots = torch.cat([self.store.row_slots(s.req_row, s.row_start, s.row_start + 1) for s in slices])
+        return DecodeBatch(layer, q[layer], k[layer], rows, n_rows, slots, self.store.table,
+                           self.store.k[layer], self.store.v[layer])
 
     def prefill(self, rid, row, q, k, v, chunk):
         """Prefill one request's prompt in chunks of ``chunk`` tokens."""
@@ -134,38 +145,38 @@ def test_snapkv_short_prompt_is_not_compressed():
 def test_quest_view_matches_reference_pages_and_keeps_dense_layers():
     length, page, budget = 70, 16, 32
     q, k, v = qkv(length, seed=5)
-    eng = ToyEngine("quest", {"page_size": page, "token_budget": budget, "dense_layers": 1})
+    eng = ToyEngine("quest", {"page_size": page, "token_budget": budget, "dense_layers": 1}, page_size=page)
+    # A finished request leaves stale summaries on the pages "a" is then given (in another order).
+    oq, ok, ov = qkv(40, seed=9)
+    eng.prefill("old", 1, [x * 5 for x in oq], [x * 5 for x in ok], ov, chunk=40)
+    eng.finish("old", 1)
     free0 = eng.store.free_count()
     eng.prefill("a", 0, q, k, v, chunk=30)
     dq, dk, dv = qkv(1, seed=6)
     eng.views.clear()
     eng.decode("a", 0, dq, dk, dv)
-    assert eng.store.free_count() == free0 - (length + 1)  # Quest keeps everything resident
+    assert eng.store.free_count() == free0 - 5 * page  # Quest keeps everything resident (5 pages)
     views = dict(eng.views)
     assert views[0] is None  # dense layer
     for layer in range(1, LAYERS):
         full_k = torch.cat([k[layer], dk[layer]])
         full_v = torch.cat([v[layer], dv[layer]])
         kmin, kmax = reference.quest_page_summaries(full_k, page)
-        want = reference.quest_select_pages(dq[layer][0], kmin, kmax, budget, page)
+        want = reference.quest_select_pages(dq[layer][0], kmin, kmax, budget, page)  # [HQ, 3]
         view = views[layer]
-        rows, valid = view.rows[0], view.valid[0]
-        got_pages = (rows[:, ::page] // page)
-        assert torch.equal(got_pages, want)
-        assert torch.equal(valid, rows < length + 1)  # rows past the partial last page are masked
-        # attention over the view == reference attention over the selected tokens
+        got = view.page_ids[0]
+        assert (got >= 0).all() and torch.equal(got.sort(dim=-1).values, want.long())
+        # attention over the view (paged kernel path) == reference attention over those tokens
         mask = torch.zeros(HQ, length + 1, dtype=torch.bool)
         for h in range(HQ):
-            mask[h, rows[h][valid[h]]] = True
+            rows = (want[h].view(-1, 1) * page + torch.arange(page)).flatten()
+            mask[h, rows[rows < length + 1]] = True
         expected = reference.sparse_decode_attention(dq[layer][0], full_k, full_v, mask)
         dense = reference.sparse_decode_attention(dq[layer][0], full_k, full_v, torch.ones_like(mask))
         assert not torch.allclose(expected, dense)  # the selection really changes what is read
-        # what the attention backend computes from the view: gather each head's rows, mask padding
-        kv_head = torch.arange(HQ).view(-1, 1) // (HQ // full_k.shape[1])
-        safe = rows.clamp(max=length)
-        got = reference.gathered_decode_attention(dq[layer][0], full_k[safe, kv_head], full_v[safe, kv_head],
-                                                  valid, 1 / full_k.shape[-1] ** 0.5)
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        out = decode_over_pages(dq[layer], eng.store.k[layer], eng.store.v[layer], eng.store.table,
+                                torch.tensor([0]), view.page_ids, view.n_rows, page, 1 / D ** 0.5)
+        torch.testing.assert_close(out[0], expected, rtol=1e-5, atol=1e-5)
     assert eng.ctl.stats()["counters"]["pages_selected"] == (LAYERS - 1) * HQ * 3
     eng.finish("a", 0)
     assert eng.store.free_count() == free0

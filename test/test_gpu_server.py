@@ -81,6 +81,26 @@ def test_quest_reads_selected_pages_through_the_triton_kernel(model, request):
     assert end["kv_free_slots"] == end["kv_total_slots"] and end["counters"]["slots_released"] == 0
 
 
+@pytest.mark.parametrize("flags", [
+    ["--sparse-method", "quest", "--sparse-token-budget", "128"],
+    ["--sparse-method", "snapkv", "--sparse-budget", "256"],
+], ids=["quest", "snapkv"])
+def test_sparse_decode_with_cuda_graphs_gives_the_eager_tokens(model, request, flags):
+    """Quest's selection is captured into the decode graphs; SnapKV decodes its compacted rows
+    in SGLang's own graphs with logical RoPE positions. Same tokens as eager decoding."""
+    batch = prompts(1000, 4)
+    graphs = start_server(["--model-path", model, *COMMON, *flags], request)
+    before = stats(graphs)["counters"].get("decode_layer_python_calls", 0)
+    got = [r["output_ids"] for r in generate(graphs, batch, n=24)]
+    if flags[1] == "quest":  # replayed graphs run no Python per layer
+        assert stats(graphs)["counters"]["decode_layer_python_calls"] == before
+    graphs.stop()
+    eager = start_server(["--model-path", model, *COMMON, *flags, "--disable-cuda-graph"], request)
+    assert [r["output_ids"] for r in generate(eager, batch, n=24)] == got
+    if flags[1] == "quest":
+        assert stats(eager)["counters"]["decode_layer_python_calls"] > 0
+
+
 def test_snapkv_compacts_on_the_gpu_pool(model, request):
     budget = 256
     srv = start_server(["--model-path", model, *COMMON, "--sparse-method", "snapkv", "--sparse-budget",

@@ -86,16 +86,33 @@ def test_default_model_dir_is_verified(default_model_dir):
     assert (default_model_dir / "chat_template.jinja").is_file()
 
 
-@pytest.mark.parametrize("device,backend,graphs_off", [
-    ("cpu", "torch_native", False), ("cuda", "triton", True),
-])
-def test_sparse_config_picks_the_backend_of_the_device(device, backend, graphs_off):
+@pytest.mark.parametrize("device,backend", [("cpu", "torch_native"), ("cuda", "triton")])
+@pytest.mark.parametrize("method", ["quest", "snapkv"])
+def test_sparse_config_picks_the_backend_and_keeps_decode_graphs(device, backend, method):
     from sglang_sparse.srt.launcher import sparse_config
 
-    config, argv = sparse_config(["--device", device, "--sparse-method", "quest"], log=lambda m: None)
-    assert config["method"] == "quest"
+    config, argv = sparse_config(["--device", device, "--sparse-method", method], log=lambda m: None)
+    assert config["method"] == method
     assert argv[argv.index("--attention-backend") + 1] == backend
-    assert ("--disable-cuda-graph" in argv) is graphs_off  # per-step selection is Python code
+    # Quest's decode selection is graph-safe and SnapKV's decode has no hooks: decode graphs
+    # stay; prefill hooks are Python, so prefill graphs go (on the GPU only).
+    assert "--disable-cuda-graph" not in argv
+    assert ("--cuda-graph-backend-prefill" in argv) is (device == "cuda")
+
+
+def test_sparse_config_sets_or_checks_the_engine_page_size():
+    from sglang_sparse.registry import ConfigError
+    from sglang_sparse.srt.launcher import sparse_config
+
+    _, argv = sparse_config(["--device", "cpu", "--sparse-method", "quest", "--sparse-page-size", "32"],
+                            log=lambda m: None)
+    assert argv[argv.index("--page-size") + 1] == "32"  # Quest summarises physical pages
+    with pytest.raises(ConfigError, match="quest needs --page-size 16 .*got --page-size 8"):
+        sparse_config(["--device", "cpu", "--sparse-method", "quest", "--page-size", "8"], log=lambda m: None)
+    with pytest.raises(ConfigError, match="snapkv releases single KV slots and needs --page-size 1"):
+        sparse_config(["--device", "cpu", "--sparse-method", "snapkv", "--page-size", "16"], log=lambda m: None)
+    _, argv = sparse_config(["--device", "cpu", "--sparse-method", "dense"], log=lambda m: None)
+    assert "--page-size" not in argv
 
 
 def test_sparse_config_keeps_cuda_graphs_for_dense_and_refuses_other_backends():

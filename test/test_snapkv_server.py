@@ -138,3 +138,16 @@ def test_admission_reserves_retained_rows_for_decoding(server):
     # each request reserved max(0, 64 + 400 - 1300) = 0 decode rows instead of 400
     assert after["counters"]["admission_rows_saved"] - before == 2 * 400
     assert after["kv_free_slots"] == POOL
+
+
+def test_rows_freed_by_compaction_reopen_admission(server):
+    """Seven requests of 600 + 120 tokens in 2,048 slots. Uncompacted prompts fill the pool, so
+    SGLang's admission fails for memory and marks the batch full; only a finishing request would
+    reopen it. Compaction frees 536 rows per request, which must reopen admission too: all seven
+    run together (7 x (64 + 120) rows + one 600-token prefill fit)."""
+    n = 7
+    bodies = [{"input_ids": _ids(600, 20 + i), "sampling_params": {"temperature": 0, "max_new_tokens": 120,
+                                                                    "ignore_eos": True}}
+              for i in range(n)]
+    assert peak_running(server, bodies) == n
+    assert stats(server)["kv_free_slots"] == POOL

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from sglang_sparse.core.events import LayerInput, StepInfo, StepMode
+from sglang_sparse.core.events import DecodeBatch, LayerInput, StepInfo, StepMode
 from sglang_sparse.core.runtime import SparseMethodRuntime
-from sglang_sparse.core.views import DecodeView
+from sglang_sparse.core.views import DecodeView, PagedDecodeView
 
 
 class SparseController:
@@ -23,6 +23,9 @@ class SparseController:
         # A runtime that overrides no per-layer hook (dense) lets the adapter skip the per-layer
         # calls entirely: default hooks are no-ops, so skipping them changes nothing.
         self.layer_hooks = type(runtime).has_layer_hooks()
+        # Decode steps: tensor-only hook (graph-safe), Python per-layer hooks, or nothing at all.
+        self.graph_decode = runtime.graph_decode
+        self.decode_hooks = type(runtime).decode_needs_python()
 
     # -- requests ----------------------------------------------------------------------------
     def request_started(self, rid: str, req_row: int, prompt_len: int, cached_len: int = 0) -> None:
@@ -50,6 +53,12 @@ class SparseController:
         if layer.step.mode is StepMode.DECODE:
             return self.runtime.build_decode_selection(layer)
         return None
+
+    def decode_view_tensors(self, batch: DecodeBatch) -> PagedDecodeView | None:
+        """Decode layers of ``graph_decode`` methods (also while a CUDA graph is captured). The
+        counter grows only when Python runs: eager steps and capture, never a graph replay."""
+        self.runtime.bump("decode_layer_python_calls")
+        return self.runtime.decode_view_tensors(batch)
 
     def attention_done(self, layer: LayerInput, out: torch.Tensor) -> None:
         self.runtime.after_attention(layer, out)

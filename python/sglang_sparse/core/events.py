@@ -91,3 +91,27 @@ class LayerInput:
     def request_tokens(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
         start = self.step.token_offsets[index]
         return tensor[start : start + self.step.requests[index].num_tokens]
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """Tensor-only input of one decode layer, for methods whose decode selection runs inside a
+    CUDA graph (``SparseMethodRuntime.graph_decode``): no Python per-request state, no host sync.
+
+    ``q`` ``[B, H_q, d]`` (this step's queries, post-RoPE), ``k`` ``[B, H_kv, d]`` (this step's
+    keys, already written to ``slots``), ``req_rows`` ``[B]`` rows of ``table`` (the engine's slot
+    table ``[R, max_len]``), ``n_rows`` ``[B]`` resident rows incl. this token (its row is
+    ``n_rows - 1``), ``slots`` ``[B]`` where this token's KV was written, ``k_cache`` / ``v_cache``
+    ``[num_slots, H_kv, d]`` this layer's pool. In a captured graph B is the padded batch size:
+    padding entries carry the engine's filler values and their outputs are discarded.
+    """
+
+    layer_id: int
+    q: torch.Tensor
+    k: torch.Tensor
+    req_rows: torch.Tensor
+    n_rows: torch.Tensor
+    slots: torch.Tensor
+    table: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor

@@ -35,18 +35,22 @@ class KVStore(Protocol):
 
 
 class TensorKVStore:
-    """Slot pool + slot table + free list, all plain tensors. Slot 0 is a padding sink, as in
-    SGLang, and is never handed out."""
+    """Slot pool + slot table + free list, all plain tensors. KV is allocated in pages of
+    ``page_size`` slots, filled in order by their owner (SGLang's paged allocator): page ``j``
+    is slots ``[j*page_size, (j+1)*page_size)``. Page 0 holds the padding slot 0, as in SGLang,
+    and is never handed out. With ``page_size`` 1 a page is a slot."""
 
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int,
-                 max_rows: int = 8, max_len: int = 4096, dtype=torch.float32) -> None:
+                 max_rows: int = 8, max_len: int = 4096, dtype=torch.float32, page_size: int = 1) -> None:
         self.num_layers = num_layers
-        self.k = torch.zeros(num_layers, num_slots + 1, kv_heads, head_dim, dtype=dtype)
+        self.page_size = page_size
+        pages = num_slots // page_size
+        self.k = torch.zeros(num_layers, (pages + 1) * page_size, kv_heads, head_dim, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.table = torch.zeros(max_rows, max_len, dtype=torch.int64)
         self.lengths = [0] * max_rows  # rows in use per request row
-        self._free = list(range(num_slots, 0, -1))  # pop() hands out 1, 2, 3, ...
-        self._is_free = torch.zeros(num_slots + 1, dtype=torch.bool)
+        self._free = list(range(pages, 0, -1))  # free pages; pop() hands out 1, 2, 3, ...
+        self._is_free = torch.zeros(pages + 1, dtype=torch.bool)
         self._is_free[1:] = True
 
     def k_buffer(self, layer: int) -> torch.Tensor:
@@ -59,36 +63,51 @@ class TensorKVStore:
         return self.table[req_row, start:end]
 
     def free_count(self) -> int:
-        return len(self._free)
+        return len(self._free) * self.page_size
 
     def alloc_rows(self, req_row: int, n: int) -> torch.Tensor:
-        """Append n rows to a request (the engine's job in SGLang)."""
-        if n > len(self._free):
-            raise MemoryError(f"asked for {n} slots, {len(self._free)} free")
-        slots = torch.tensor([self._free.pop() for _ in range(n)], dtype=torch.int64)
-        self._is_free[slots] = False
-        start = self.lengths[req_row]
-        self.table[req_row, start : start + n] = slots
+        """Append n rows to a request (the engine's job in SGLang): the rest of its last page
+        first, then fresh pages."""
+        p, start = self.page_size, self.lengths[req_row]
+        in_last = (-start) % p  # free rows left in the request's last page
+        if n - in_last > len(self._free) * p:
+            raise MemoryError(f"asked for {n} slots, {len(self._free) * p} free")
+        slots = []
+        if in_last:
+            last = int(self.table[req_row, start - 1])
+            slots += range(last + 1, last + 1 + min(in_last, n))
+        while len(slots) < n:
+            page = self._free.pop()
+            self._is_free[page] = False
+            slots += range(page * p, page * p + min(p, n - len(slots)))
+        out = torch.tensor(slots, dtype=torch.int64)
+        self.table[req_row, start : start + n] = out
         self.lengths[req_row] = start + n
-        return slots
+        return out
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer, slots] = k.to(self.k.dtype)
         self.v[layer, slots] = v.to(self.v.dtype)
 
     def free_slots(self, slots: torch.Tensor) -> None:
-        if bool(self._is_free[slots].any()) or len(set(slots.tolist())) != len(slots):
+        """Free whole pages (with ``page_size`` 1: any slots)."""
+        pages = slots // self.page_size
+        if self.page_size > 1 and len(slots) != len(set(pages.tolist())) * self.page_size:
+            raise RuntimeError(f"slots {slots.tolist()} are not whole pages of {self.page_size}")
+        pages = sorted(set(pages.tolist()))
+        if bool(self._is_free[pages].any()) or (self.page_size == 1 and len(pages) != len(slots)):
             raise RuntimeError(f"double free of slots {slots.tolist()}")
-        self._is_free[slots] = True
-        self._free.extend(slots.tolist())
+        self._is_free[pages] = True
+        self._free.extend(pages)
 
     def truncate_rows(self, req_row: int, n_rows: int) -> None:
         """The request now owns only rows ``[0, n_rows)`` (after a compaction freed the rest)."""
         self.lengths[req_row] = n_rows
 
     def release_row(self, req_row: int) -> None:
-        """Request finished: free every slot it still owns (what SGLang does on release)."""
+        """Request finished: free every page it still owns (what SGLang does on release)."""
         n = self.lengths[req_row]
         if n:
-            self.free_slots(self.table[req_row, :n].clone())
+            pages = (self.table[req_row, :n] // self.page_size).unique()
+            self.free_slots((pages.view(-1, 1) * self.page_size + torch.arange(self.page_size)).flatten())
         self.lengths[req_row] = 0

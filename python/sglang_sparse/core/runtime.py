@@ -13,12 +13,17 @@ forward step (all in the scheduler process, on the rank that runs the model):
         on_layer_end(l, step)                            every step
     finish_step(step)                                    once, after the model ran
 
+A method with ``graph_decode = True`` replaces the per-layer hooks of *decode* steps by one
+tensor-only hook, ``decode_view_tensors(batch)``, which also runs while the engine captures a
+CUDA graph and is then replayed without Python: it may only read and update persistent tensors
+(see ``events.DecodeBatch``). Prefill and mixed steps keep the hooks above.
+
 ``finish_step`` may only *plan* physical changes (compaction, eviction): the controller applies
 them at the engine's safe point via ``apply_pending`` (after the step's results are processed,
 before the next step is scheduled), so in-flight work never sees rows move. Hooks that run
 inside the forward (everything but ``prepare_step``/``finish_step``/``apply_pending``) must not
 call ``.item()`` or loop over requests on a GPU hot path to stay CUDA-graph friendly; the CPU
-implementation of the methods here does not yet meet that bar.
+implementation of the per-layer hooks does not meet that bar; ``decode_view_tensors`` does.
 """
 
 from __future__ import annotations
@@ -26,13 +31,15 @@ from __future__ import annotations
 import torch
 
 from sglang_sparse.core.cache_manager import CacheManager
-from sglang_sparse.core.events import LayerInput, StepInfo
+from sglang_sparse.core.events import DecodeBatch, LayerInput, StepInfo
 from sglang_sparse.core.memory_oracle import MemoryOracle
-from sglang_sparse.core.views import DecodeView
+from sglang_sparse.core.views import DecodeView, PagedDecodeView
 
 
 LAYER_HOOKS = ("before_attention", "on_prefill_chunk", "build_decode_selection",
                "after_attention", "on_layer_end")
+# The per-layer hooks that fire in decode steps (``on_prefill_chunk`` never does).
+DECODE_LAYER_HOOKS = ("before_attention", "build_decode_selection", "after_attention", "on_layer_end")
 
 
 class SparseMethodRuntime:
@@ -42,12 +49,28 @@ class SparseMethodRuntime:
     # Capabilities the engine adapter checks (never the method's name):
     changes_attention = True  # False: attention may run without the sparse backend (pass-through)
     evicts_kv = False  # True: releases KV slots during a request (needs physical eviction support)
+    graph_decode = False  # True: decode layers go through decode_view_tensors (CUDA-graph safe)
 
     @classmethod
     def has_layer_hooks(cls) -> bool:
         """Whether any per-layer hook is overridden. Without one (dense) the adapter may skip the
         per-layer calls (defaults are no-ops) and keep the engine's fast paths (CUDA graphs)."""
         return any(getattr(cls, h) is not getattr(SparseMethodRuntime, h) for h in LAYER_HOOKS)
+
+    @classmethod
+    def decode_needs_python(cls) -> bool:
+        """Whether decode steps run Python per layer (then the engine cannot replay a captured
+        decode graph). False for methods without decode hooks (dense, SnapKV) and for
+        ``graph_decode`` methods."""
+        if cls.graph_decode:
+            return False
+        return any(getattr(cls, h) is not getattr(SparseMethodRuntime, h) for h in DECODE_LAYER_HOOKS)
+
+    @staticmethod
+    def required_page_size(config) -> int | None:
+        """The engine page size (KV allocation unit) this configuration needs, e.g. for metadata
+        kept per physical page; None: any."""
+        return None
 
     def __init__(self, cache: CacheManager, oracle: MemoryOracle | None = None) -> None:
         self.cache = cache
@@ -76,6 +99,11 @@ class SparseMethodRuntime:
 
     def build_decode_selection(self, layer: LayerInput) -> DecodeView | None:
         """Every layer of a decode step: the rows attention reads. None: all resident rows."""
+        return None
+
+    def decode_view_tensors(self, batch: DecodeBatch) -> PagedDecodeView | None:
+        """``graph_decode`` methods: every decode layer, after this step's KV is written. Tensor
+        ops only (captured into CUDA graphs). None: dense attention over the resident rows."""
         return None
 
     def after_attention(self, layer: LayerInput, out: torch.Tensor) -> None:

@@ -27,6 +27,20 @@ class DecodeView:
 
 
 @dataclass(frozen=True)
+class PagedDecodeView:
+    """Whole pages each query head reads, as batched tensors (graph-safe; see ``DecodeBatch``).
+
+    ``page_ids`` ``[B, H_q, n]`` int: row-page indices (page ``p`` = rows ``[p*page_size,
+    (p+1)*page_size)`` of the request's slot table), ``-1`` = padding; rows ``>= n_rows[b]`` (a
+    partial last page) are not read.
+    """
+
+    page_ids: torch.Tensor
+    page_size: int
+    n_rows: torch.Tensor
+
+
+@dataclass(frozen=True)
 class PrefillView:
     """Prefill reads every resident row causally unless a method narrows it (sparse prefill).
     ``row_limit[i]``: request i's chunk attends rows ``[0, row_limit[i])`` of earlier context

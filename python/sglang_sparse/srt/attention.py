@@ -9,8 +9,11 @@ under their names when an sglang_sparse server runs (so SGLang's rules for each 
 Per layer: write this step's KV, ask the controller for the view, run attention over it (no view:
 the backend's own dense kernel over the resident rows; a DecodeView: ``kernels.decode``, i.e.
 sgl-kernel-sparse's Triton kernel on CUDA, the plain-torch reference elsewhere), then report the
-output. A method without per-layer hooks (dense) takes the backend's own path untouched, so
-CUDA graphs stay available to it.
+output. Decode steps take one of three paths, chosen by the method's capabilities:
+- ``graph_decode`` (Quest): tensor-only ``decode_view_tensors`` + the paged kernel, also inside
+  SGLang's captured decode CUDA graphs;
+- per-layer Python hooks (``decode_hooks``): eager only (the launcher disables CUDA graphs);
+- neither (dense, SnapKV): the backend's own path untouched, CUDA graphs included.
 """
 
 from __future__ import annotations
@@ -18,22 +21,14 @@ from __future__ import annotations
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from sglang_sparse.core.events import LayerInput
+from sglang_sparse.core.events import DecodeBatch, LayerInput
 from sglang_sparse.core.views import DecodeView
-from sglang_sparse.kernels.decode import decode_over_views
+from sglang_sparse.kernels.decode import decode_over_pages, decode_over_views
 from sglang_sparse.srt import state
 
 
 class SparseHooks:
     """Mixed in before an SGLang attention backend class; ``_write_kv`` is backend-specific."""
-
-    def init_forward_metadata(self, forward_batch):
-        super().init_forward_metadata(forward_batch)
-        if state.pos_offset is not None and forward_batch.forward_mode.is_decode():
-            # Logical RoPE positions for rows whose earlier KV was evicted (see state.pos_offset).
-            forward_batch.positions = forward_batch.positions + state.pos_offset[
-                forward_batch.req_pool_indices
-            ].to(forward_batch.positions.dtype)
 
     def _write_kv(self, k, v, layer, forward_batch) -> None:
         raise NotImplementedError
@@ -48,17 +43,20 @@ class SparseHooks:
             v.reshape(-1, layer.tp_k_head_num, layer.v_head_dim),
         )
 
-    def _hooked(self, k, layer, save_kv_cache, extra: dict) -> bool:
-        """Plain attention of a running method's step; anything else (sinks, score mods, cross
+    @staticmethod
+    def _plain(k, layer, save_kv_cache, extra: dict) -> bool:
+        """Plain self-attention writing new KV; anything else (sinks, score mods, cross
         attention, a read-back without new KV) is left to the backend untouched."""
+        return (all(v is None for v in extra.values()) and save_kv_cache and k is not None
+                and not layer.is_cross_attention)
+
+    def _hooked(self, k, layer, save_kv_cache, extra: dict) -> bool:
+        """A running method's step with per-layer Python hooks."""
         return (
-            all(v is None for v in extra.values())
-            and state.controller is not None
+            state.controller is not None
             and state.controller.layer_hooks
             and state.current_step is not None
-            and save_kv_cache
-            and k is not None
-            and not layer.is_cross_attention
+            and self._plain(k, layer, save_kv_cache, extra)
         )
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
@@ -72,7 +70,11 @@ class SparseHooks:
         return o
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        if not self._hooked(k, layer, save_kv_cache, kwargs):
+        ctl = state.controller
+        if ctl is not None and ctl.graph_decode and self._plain(k, layer, save_kv_cache, kwargs):
+            # Also runs while SGLang captures a decode CUDA graph (no current step then).
+            return self._graph_safe_decode(q, k, v, layer, forward_batch)
+        if not (self._hooked(k, layer, save_kv_cache, kwargs) and ctl.decode_hooks):
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         self._write_kv(k, v, layer, forward_batch)
         inp = self._layer_input(q, k, v, layer)
@@ -83,6 +85,25 @@ class SparseHooks:
             o = self._decode_over_view(inp, view, layer, forward_batch)
         state.controller.attention_done(inp, o.view(-1, layer.tp_q_head_num, layer.v_head_dim))
         return o
+
+    def _graph_safe_decode(self, q, k, v, layer, forward_batch):
+        """Tensor-only decode (``graph_decode`` methods): write KV, let the method update its
+        persistent state and name the pages to read, run the paged kernel. No host sync."""
+        self._write_kv(k, v, layer, forward_batch)
+        d = layer.qk_head_dim
+        q3 = q.reshape(-1, layer.tp_q_head_num, d)
+        k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        table = self.req_to_token_pool.req_to_token
+        batch = DecodeBatch(layer.layer_id, q3, k.reshape(-1, layer.tp_k_head_num, d),
+                            forward_batch.req_pool_indices, forward_batch.seq_lens,
+                            forward_batch.out_cache_loc, table, k_cache, v_cache)
+        view = state.controller.decode_view_tensors(batch)
+        if view is None:
+            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache=False)
+        out = decode_over_pages(q3, k_cache, v_cache, table, forward_batch.req_pool_indices,
+                                view.page_ids, view.n_rows, view.page_size, layer.scaling)
+        return out.view(q3.shape[0], -1)
 
     def _decode_over_view(self, inp: LayerInput, view: DecodeView, layer, forward_batch):
         reqs = inp.step.requests

@@ -21,7 +21,7 @@ from pathlib import Path
 from sglang_sparse.config import parse_sparse_args
 from sglang_sparse.core import kv_budget
 from sglang_sparse.default_model import DefaultModelError, ensure_default_model
-from sglang_sparse.registry import ConfigError, get_method
+from sglang_sparse.registry import ConfigError, build_config, get_method
 from sglang_sparse.srt import activation
 
 logger = logging.getLogger("sglang_sparse.launch_server")
@@ -39,6 +39,8 @@ def _given_flags(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--sleep-on-idle", action="store_true")
     parser.add_argument("--attention-backend")
     parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--cuda-graph-backend-prefill")
+    parser.add_argument("--page-size", type=int)
     known, _ = parser.parse_known_args(argv)
     return known
 
@@ -144,13 +146,36 @@ def sparse_config(argv: list[str], log=logger.info) -> tuple[dict, list[str]]:
             backend = "triton" if on_gpu else "torch_native"
             argv += ["--attention-backend", backend]
             log(f"sglang_sparse: {config['method']} runs on the {backend} attention backend; added --attention-backend {backend}")
-    if runtime.has_layer_hooks() and _serves_on_gpu(given) and not given.disable_cuda_graph:
-        # The per-layer hooks are Python code between kernels: a captured graph would replay
-        # the first step's selection forever.
-        argv.append("--disable-cuda-graph")
-        log(f"sglang_sparse: {config['method']} selects per step in Python; added --disable-cuda-graph")
+    argv = _page_size(config, runtime, argv, given, log)
+    if _serves_on_gpu(given) and not given.disable_cuda_graph:
+        if runtime.decode_needs_python():
+            # Per-layer Python hooks between kernels: a captured graph would replay the first
+            # step's selection forever.
+            argv.append("--disable-cuda-graph")
+            log(f"sglang_sparse: {config['method']} selects per step in Python; added --disable-cuda-graph")
+        elif runtime.has_layer_hooks() and given.cuda_graph_backend_prefill is None:
+            # Decode graphs stay (decode runs no Python per layer); prefill hooks do.
+            argv += ["--cuda-graph-backend-prefill", "disabled"]
+            log(f"sglang_sparse: {config['method']} hooks prefill layers in Python; added --cuda-graph-backend-prefill disabled")
     log(f"sglang_sparse: method {config['method']} {config['options']}")
     return config, argv
+
+
+def _page_size(config: dict, runtime, argv: list[str], given, log) -> list[str]:
+    """The engine's KV page size (``--page-size``) the method needs: set it when not given,
+    refuse a conflicting one."""
+    need = runtime.required_page_size(build_config(config["method"], config["options"]))
+    method = config["method"]
+    if need is not None and given.page_size is None:
+        log(f"sglang_sparse: {method} keeps metadata per KV page; added --page-size {need}")
+        return argv + ["--page-size", str(need)]
+    if need is not None and given.page_size != need:
+        raise ConfigError(f"--sparse-method {method} needs --page-size {need} (its page size; got "
+                          f"--page-size {given.page_size}): set both to the same value")
+    if runtime.evicts_kv and (given.page_size or 1) != 1:
+        raise ConfigError(f"--sparse-method {method} releases single KV slots and needs --page-size 1 "
+                          f"(got {given.page_size})")
+    return argv
 
 
 def main(argv: list[str] | None = None) -> None:

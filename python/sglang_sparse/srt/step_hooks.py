@@ -8,6 +8,9 @@
   the KV, and the next slots are not allocated yet: planned compactions run here, and SGLang's
   per-request lengths follow the resident rows (``seq_lens`` = rows, the logical rest goes to
   ``state.pos_offset``).
+- BEFORE ``ModelRunner.forward``: decode RoPE positions get the evicted-token offset (eager and
+  CUDA-graph replay alike: SGLang's graph runner copies ``forward_batch.positions`` into its
+  buffers after this point).
 - BEFORE ``mem_cache.common.release_kv_cache``: the request leaves (finished, aborted, retracted);
   its method state is dropped before SGLang frees its rows ``[0, kv_allocated_len)``.
 
@@ -25,6 +28,7 @@ FORWARD_TARGET = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_gene
 RELEASE_TARGET = "sglang.srt.mem_cache.common.release_kv_cache"
 DECODE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode"
 PREFILL_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
+RUNNER_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 
 
 def step_from_batch(batch, ctl) -> StepInfo | None:
@@ -80,6 +84,10 @@ def apply_safe_point(batch) -> None:
         return
     if ctl.safe_point({req.rid for req in batch.reqs}) == 0:
         return
+    # Compaction just gave rows back. SGLang stops trying to admit once an admission failed for
+    # memory ("batch is full") and reopens only when a request leaves; rows freed by eviction
+    # must reopen it too, or waiting requests sit idle beside free KV.
+    batch.batch_is_full = False
     seq_lens, seq_lens_cpu, orig = batch.seq_lens.clone(), batch.seq_lens_cpu.clone(), batch.orig_seq_lens.clone()
     for i, req in enumerate(batch.reqs):
         known = ctl.cache.requests.get(req.rid)
@@ -107,6 +115,14 @@ def before_new_prefill(scheduler, running_batch=None, *args, **kwargs):
     return None
 
 
+def before_model_forward(runner, forward_batch=None, *args, **kwargs):
+    """Logical RoPE positions for rows whose earlier KV was evicted (see ``state.pos_offset``)."""
+    if state.pos_offset is not None and forward_batch is not None and forward_batch.forward_mode.is_decode():
+        offset = state.pos_offset[forward_batch.req_pool_indices]
+        forward_batch.positions = forward_batch.positions + offset.to(forward_batch.positions.dtype)
+    return None
+
+
 def before_release(req, *args, **kwargs):
     if state.controller is not None:
         state.controller.request_finished(req.rid)
@@ -122,4 +138,6 @@ def register() -> list[str]:
     HookRegistry.register(RELEASE_TARGET, before_release, HookType.BEFORE)
     HookRegistry.register(DECODE_TARGET, before_prepare_for_decode, HookType.BEFORE)
     HookRegistry.register(PREFILL_TARGET, before_new_prefill, HookType.BEFORE)
-    return ["hook:forward-step", "hook:release-kv", "hook:decode-safe-point", "hook:prefill-safe-point"]
+    HookRegistry.register(RUNNER_TARGET, before_model_forward, HookType.BEFORE)
+    return ["hook:forward-step", "hook:release-kv", "hook:decode-safe-point", "hook:prefill-safe-point",
+            "hook:decode-positions"]

@@ -1,0 +1,204 @@
+"""Long-context decode on one GPU through the real server: capacity and matched-batch throughput.
+
+Two experiments (issue 4; the paper's protocol, appendix C.6: a discarded workload, warm-up
+decode steps, then a fixed full-batch decode window timed only at its edges):
+
+- ``capacity``: ``--prompt-len`` L inputs with ``--output-len`` N outputs in a KV pool of
+  ``--pool`` P tokens. For each method the largest batch whose KV stays resident for the whole
+  output is computed from the pool (dense: every request holds L + N rows, so P // (L + N);
+  an evicting method with budget B: the request being prefilled holds L rows, every admitted one
+  at most B + N, so (P - L) // (B + N) + 1), that batch is submitted at once, and the run checks
+  that all of it is resident together (``/sparse/stats``) and measures its aggregate decode
+  throughput. The output is stopped after the window (the full N tokens would cost device time
+  and change nothing about residency, which the arithmetic bounds).
+- ``matched``: the same batch sizes for every variant (``plain`` = stock ``sglang.launch_server``,
+  ``dense`` and ``quest`` through sglang_sparse) at one prompt length. Prompts are shared
+  across batch sizes, so the radix cache prefills each only once per server.
+
+Throughput = tokens decoded inside the window by all requests / window seconds, with the window
+opening when every request has produced ``--warmup`` tokens and closing when the first one
+reaches ``--warmup + --window``.
+
+    . benchmark/gpu/env.sh
+    M=.gpumodel/qwen3-8b-shape
+    python3 benchmark/bench_long_context.py capacity --model-path $M --prompt-len 32768 \\
+        --output-len 2048 --pool 196608 --methods dense snapkv
+    python3 benchmark/bench_long_context.py matched --model-path $M --prompt-len 32768 \\
+        --batches 1 2 4 8 --methods plain dense quest
+Flags after ``--`` go to every server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_json  # noqa: E402
+
+from sglang_sparse.server_process import ServerProcess
+
+GPU_FLAGS = ["--load-format", "dummy", "--attention-backend", "triton", "--sampling-backend", "pytorch",
+             "--mem-fraction-static", "0.80", "--log-level", "warning"]
+
+
+def variant(name: str, budget: int) -> tuple[str, list[str]]:
+    """(module, extra flags) of a variant; sparse methods get ``budget`` tokens."""
+    flags = {
+        # Quest allocates KV in 16-token pages (the launcher sets it); the dense variants use the
+        # same page size so all three share the allocator and kernels. SnapKV needs page size 1.
+        "plain": ["--page-size", "16"], "dense": ["--page-size", "16"],
+        "quest": ["--sparse-method", "quest", "--sparse-token-budget", str(budget)],
+        "snapkv": ["--sparse-method", "snapkv", "--sparse-budget", str(budget)],
+    }[name]
+    return ("sglang.launch_server" if name == "plain" else "sglang_sparse.launch_server"), flags
+
+
+class Stream(threading.Thread):
+    """One streamed greedy request; records when each token arrived; stops reading (SGLang then
+    aborts the request) once ``stop`` is set."""
+
+    def __init__(self, base_url: str, ids: list[int], max_new: int, stop: threading.Event) -> None:
+        super().__init__(daemon=True)
+        self.url, self.ids, self.max_new, self.stop = base_url + "/generate", ids, max_new, stop
+        self.times: list[float] = []
+        self.error: str | None = None
+
+    def run(self) -> None:
+        body = {"input_ids": self.ids, "stream": True,
+                "sampling_params": {"temperature": 0, "max_new_tokens": self.max_new, "ignore_eos": True}}
+        try:
+            with requests.post(self.url, json=body, stream=True, timeout=3600) as resp:
+                resp.raise_for_status()
+                for line in resp.iter_lines():
+                    if self.stop.is_set():
+                        return
+                    if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                        continue
+                    count = json.loads(line[5:])["meta_info"]["completion_tokens"]
+                    now = time.monotonic()
+                    self.times += [now] * (count - len(self.times))
+        except Exception as err:  # reported with the result, never silently dropped
+            self.error = repr(err)
+
+
+def running(base_url: str) -> int:
+    return requests.get(base_url + "/sparse/stats", timeout=60).json()["running_requests"]
+
+
+def decode_window(base_url: str, prompts: list[list[int]], max_new: int, warmup: int, window: int,
+                  timeout: float) -> dict:
+    stop = threading.Event()
+    streams = [Stream(base_url, p, max_new, stop) for p in prompts]
+    for s in streams:
+        s.start()
+    need, peak, t_start = warmup + window, 0, time.monotonic()
+    while time.monotonic() - t_start < timeout:
+        peak = max(peak, running(base_url))
+        if all(len(s.times) >= need or not s.is_alive() for s in streams):
+            break
+        time.sleep(0.5)
+    stop.set()
+    for _ in range(240):  # closed streams are aborted by the server; let it drain
+        if running(base_url) == 0:
+            break
+        time.sleep(0.5)
+    errors = [s.error for s in streams if s.error]
+    done = [s for s in streams if len(s.times) >= need]
+    res = {"batch": len(prompts), "peak_running": peak, "completed_window": len(done), "errors": errors[:3]}
+    if len(done) < len(streams):
+        res["decode_tok_s"] = float("nan")
+        return res
+    t0 = max(s.times[warmup - 1] for s in streams)  # everyone is past warm-up
+    t1 = min(s.times[need - 1] for s in streams)  # the first one leaves the window
+    tokens = sum(sum(1 for x in s.times if t0 < x <= t1) for s in streams)
+    res.update(decode_tok_s=tokens / (t1 - t0) if t1 > t0 else float("nan"), window_tokens=tokens,
+               window_s=t1 - t0, ttft_last_s=max(s.times[0] for s in streams) - t_start)
+    return res
+
+
+def make_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 30000) for _ in range(length)] for _ in range(n)]
+
+
+def server(name: str, args, extra: list[str]) -> ServerProcess:
+    module, flags = variant(name, args.budget)
+    ctx = args.prompt_len + args.output_len + 64
+    base = GPU_FLAGS if not args.cpu else ["--device", "cpu", "--log-level", "warning"]
+    flags = ["--model-path", args.model_path, *base, *flags, "--max-total-tokens", str(args.pool),
+             "--context-length", str(ctx), *extra]
+    return ServerProcess(flags, module=module)
+
+
+def capacity_batch(name: str, args) -> int:
+    if name == "snapkv":
+        return (args.pool - args.prompt_len) // (args.budget + args.output_len) + 1
+    return args.pool // (args.prompt_len + args.output_len)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("experiment", choices=["capacity", "matched"])
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--methods", nargs="+", default=None)
+    ap.add_argument("--prompt-len", type=int, default=32768)
+    ap.add_argument("--output-len", type=int, default=2048)
+    ap.add_argument("--budget", type=int, default=2048, help="SnapKV budget / Quest token budget")
+    ap.add_argument("--pool", type=int, default=196608, help="KV pool tokens (--max-total-tokens)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--timeout", type=float, default=420, help="seconds per batch before giving up")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--cpu", action="store_true", help="smoke run on a CPU with real weights (no GPU flags)")
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = ap.parse_args(argv[:cut])
+    args.extra = argv[cut + 1 :]  # extra SGLang flags for every server
+    methods = args.methods or (["dense", "snapkv"] if args.experiment == "capacity" else ["plain", "dense", "quest"])
+    out = args.out or f"long_{args.experiment}_{args.prompt_len}.json"
+    results: dict[str, dict] = {}
+
+    def save() -> None:
+        write_json(out, {"command": "python " + " ".join(sys.argv), "machine": platform.platform(),
+                         "settings": vars(args), "results": results})
+
+    for name in methods:
+        batches = [capacity_batch(name, args)] if args.experiment == "capacity" else args.batches
+        prompts = make_prompts(max(batches), args.prompt_len)
+        res: dict = {}
+        try:
+            with server(name, args, args.extra) as srv:
+                decode_window(srv.base_url, make_prompts(1, 256, seed=99), 16, 2, 4, timeout=120)  # discarded
+                for b in batches:
+                    max_new = args.output_len if args.experiment == "capacity" else args.warmup + args.window + 2
+                    res[str(b)] = decode_window(srv.base_url, prompts[:b], max_new, args.warmup, args.window,
+                                                args.timeout)
+                    print(name, b, json.dumps(res[str(b)]), flush=True)
+                    save()
+        except Exception as err:  # keep what was measured; say what failed
+            res["error"] = repr(err)
+            print(name, "failed:", repr(err), flush=True)
+        results[name] = res
+        save()
+
+    print(f"\n{args.experiment}: prompt {args.prompt_len} tokens, pool {args.pool}, budget {args.budget}; "
+          f"decode tok/s in a {args.window}-token window after {args.warmup} warm-up tokens")
+    for name, res in results.items():
+        cells = [f"b={b}: {r['decode_tok_s']:.1f} tok/s (peak running {r['peak_running']})"
+                 for b, r in res.items() if isinstance(r, dict)]
+        print(f"{name:<8}", "; ".join(cells) or res.get("error"))
+    print(f"wrote benchmark/results/{out}")
+
+
+if __name__ == "__main__":
+    main()

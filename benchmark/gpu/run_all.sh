@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The GPU machine's whole job in one go (run from the checkout root there, with .gpu/ and
+# .gpumodel/ carried; benchmark/gpu/prepare.sh makes them here). Each stage writes under $OUT:
+#   tests     GPU tests: servers (graphs == eager, Quest/SnapKV), kernels, graph replay   ~5 min
+#   kernels   sgl-kernel-sparse microbenchmarks (bandwidth against the HBM ceiling)      ~2 min
+#   capacity  8B shape, 32K in / 2K out: largest resident batch, dense vs SnapKV(2048)   ~7 min
+#   matched   8B shape, 32K: plain SGLang vs dense vs Quest(2048) at batch 1 2 4 8       ~8 min
+#   matched128k  the same at 128K, batch 1 2 4                                            ~9 min
+# One call holds at most 10 minutes, so give one or two stages per call:
+#   bash benchmark/gpu/run_all.sh tests kernels
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+. benchmark/gpu/env.sh
+OUT=${OUT:-/tmp/sglang_sparse_out}
+mkdir -p "$OUT"
+M8=.gpumodel/qwen3-8b-shape
+LONG=(--model-path "$M8" --pool 196608)
+for stage in "$@"; do
+  echo "=== $stage $(date -u +%T)"
+  case $stage in
+    tests)
+      python3 -m pytest -q -m gpu test/test_gpu_server.py test/test_quest_pages.py \
+        test/test_sparse_kernels.py test/test_reference_kernels.py 2>&1 | tail -40 | tee "$OUT/gpu_tests.txt" ;;
+    kernels)
+      python3 sgl-kernel-sparse/bench/bench_kernels.py --out "$OUT/kernels.json" --no-ref 2>&1 | tee "$OUT/kernels.txt" ;;
+    capacity)
+      python3 benchmark/bench_long_context.py capacity "${LONG[@]}" --prompt-len 32768 --output-len 2048 \
+        --methods dense snapkv --out long_capacity_32k.json -- --cuda-graph-bs-decode 1 2 4 8 16 32 48 64 \
+        2>&1 | tee "$OUT/capacity.txt" ;;
+    matched)
+      python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 32768 --batches 1 2 4 8 \
+        --pool 294912 --methods plain dense quest --out long_matched_32k.json \
+        -- --cuda-graph-bs-decode 1 2 4 8 2>&1 | tee "$OUT/matched.txt" ;;
+    matched128k)
+      python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 131072 --output-len 64 \
+        --batches 1 2 4 --pool 540672 --methods dense quest --out long_matched_128k.json \
+        -- --cuda-graph-bs-decode 1 2 4 2>&1 | tee "$OUT/matched128k.txt" ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+  cp benchmark/results/long_*.json "$OUT/" 2>/dev/null || true
+done
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$OUT/gpu.txt" 2>&1 || true

@@ -1,0 +1,60 @@
+"""Quest page summaries kept per *physical* page of the KV pool, and page scoring over a
+request's slot-table row. Plain torch, no host sync: safe inside a captured CUDA graph.
+
+Index ranges: the engine allocates KV in pages of ``page`` slots, so row-page ``p`` of a request
+(rows ``[p*page, (p+1)*page)`` of its slot-table row) lives in the single physical page
+``table[row, p*page] // page``. Summaries ``kmin``/``kmax`` are ``[num_physical_pages, H_kv, d]``;
+page 0 holds the engine's padding slot and is never handed to a request, so padded batch entries
+(slot 0) may scribble on it. A radix-shared page keeps its summary: nobody rewrites it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def new_summaries(num_slots: int, page: int, kv_heads: int, head_dim: int, dtype, device):
+    pages = -(-num_slots // page)
+    kmin = torch.full((pages, kv_heads, head_dim), float("inf"), dtype=dtype, device=device)
+    return kmin, torch.full_like(kmin, float("-inf"))
+
+
+def add_keys(kmin: torch.Tensor, kmax: torch.Tensor, k: torch.Tensor, slots: torch.Tensor, page: int) -> None:
+    """Fold keys ``k`` ``[T, H_kv, d]`` just written at ``slots`` ``[T]`` into their pages.
+
+    A page whose first slot is written here was just allocated: its old summary (a released
+    request's) is dropped first. Pages are filled in slot order by their owner, so a page that is
+    continued (first slot written in an earlier step) keeps its running min/max."""
+    pid = slots.long() // page
+    fresh = torch.where(slots.long() % page == 0, pid, 0)  # non-fresh tokens reset page 0 (padding)
+    kmin.index_fill_(0, fresh, float("inf"))
+    kmax.index_fill_(0, fresh, float("-inf"))
+    idx = pid.view(-1, 1, 1).expand(k.shape)
+    kmin.scatter_reduce_(0, idx, k.to(kmin.dtype), reduce="amin")
+    kmax.scatter_reduce_(0, idx, k.to(kmax.dtype), reduce="amax")
+
+
+def page_scores(q, kmin, kmax, table, req_rows, n_rows, page: int) -> torch.Tensor:
+    """Quest's bound ``sum_c max(q_c * max_c, q_c * min_c)`` per (request, query head, row-page).
+
+    q ``[B, H_q, d]``; table ``[R, max_len]``; req_rows, n_rows ``[B]``. Returns fp32 ``[B, H_q,
+    P]`` with ``P = ceil(max_len / page)``; pages ``>= ceil(n_rows / page)`` are ``-inf``. Uses
+    ``max(q*M, q*m) = relu(q)*M + min(q,0)*m`` (M >= m), i.e. two batched matmuls."""
+    b, hq, d = q.shape
+    hkv = kmin.shape[1]
+    first_slots = table[req_rows.long()][:, ::page]  # [B, P]: slot of each row-page's first row
+    pid = first_slots.long() // page
+    mx = kmax[pid].permute(0, 2, 3, 1)  # [B, H_kv, d, P]
+    mn = kmin[pid].permute(0, 2, 3, 1)
+    qg = q.to(kmin.dtype).view(b, hkv, hq // hkv, d)
+    scores = (qg.clamp(min=0) @ mx + qg.clamp(max=0) @ mn).float().reshape(b, hq, -1)
+    n_pages = (n_rows.long() + page - 1) // page
+    beyond = torch.arange(scores.shape[-1], device=q.device).view(1, 1, -1) >= n_pages.view(-1, 1, 1)
+    return scores.masked_fill(beyond, float("-inf"))
+
+
+def top_pages(scores: torch.Tensor, n_sel: int) -> torch.Tensor:
+    """Top ``n_sel`` row-pages per (request, head), ``-1`` where fewer pages exist. int64
+    ``[B, H_q, n_sel]``, unordered (attention does not care)."""
+    vals, idx = scores.topk(min(n_sel, scores.shape[-1]), dim=-1)
+    return torch.where(vals > float("-inf"), idx, -1)

@@ -1,0 +1,110 @@
+"""Quest's per-physical-page summaries and batched selection (``kernels.quest_pages``): equal to
+the loop-by-loop reference on a ragged batch whose pages are scattered and recycled, and
+replayable from a captured CUDA graph with new inputs (GPU only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_sparse.kernels import quest_pages, reference
+from sglang_sparse.kernels.decode import decode_over_pages
+
+PAGE, HQ, HKV, D = 4, 6, 2, 8
+
+
+def paged_batch(lengths, seed, device="cpu", dtype=torch.float32):
+    """Requests of ``lengths`` tokens whose pages are scattered over the pool (never page 0)."""
+    g = torch.Generator().manual_seed(seed)
+    n_pages = 64
+    k_cache = torch.randn(n_pages * PAGE, HKV, D, generator=g).to(device, dtype)
+    v_cache = torch.randn(n_pages * PAGE, HKV, D, generator=g).to(device, dtype)
+    order = (torch.randperm(n_pages - 1, generator=g) + 1).tolist()
+    table = torch.zeros(len(lengths), 64, dtype=torch.int32)
+    for i, n in enumerate(lengths):
+        for p in range(-(-n // PAGE)):
+            page = order.pop()
+            table[i, p * PAGE : (p + 1) * PAGE] = torch.arange(page * PAGE, (page + 1) * PAGE)
+    return k_cache, v_cache, table.to(device)
+
+
+def test_summaries_scores_and_selection_match_the_reference_after_page_reuse():
+    lengths = [13, 30, 4]
+    k_cache, v_cache, table = paged_batch(lengths, seed=0)
+    kmin, kmax = quest_pages.new_summaries(k_cache.shape[0], PAGE, HKV, D, torch.float32, "cpu")
+    kmin.uniform_(-9, 9)  # stale summaries of released requests must not survive
+    kmax.uniform_(-9, 9)
+    for i, n in enumerate(lengths):  # prefill in two chunks, as the engine writes
+        for lo, hi in ((0, n // 2 + 1), (n // 2 + 1, n)):
+            slots = table[i, lo:hi].long()
+            quest_pages.add_keys(kmin, kmax, k_cache[slots], slots, PAGE)
+    q = torch.randn(len(lengths), HQ, D, generator=torch.Generator().manual_seed(1))
+    rows, n_rows = torch.arange(len(lengths)), torch.tensor(lengths)
+    scores = quest_pages.page_scores(q, kmin, kmax, table, rows, n_rows, PAGE)
+    picked = quest_pages.top_pages(scores, 3)
+    for i, n in enumerate(lengths):
+        keys = k_cache[table[i, :n].long()]
+        ref_min, ref_max = reference.quest_page_summaries(keys, PAGE)
+        n_pages = -(-n // PAGE)
+        torch.testing.assert_close(scores[i, :, :n_pages], reference.quest_page_scores(q[i], ref_min, ref_max))
+        assert torch.isinf(scores[i, :, n_pages:]).all()
+        want = reference.quest_select_pages(q[i], ref_min, ref_max, 3 * PAGE, PAGE)
+        got = picked[i].sort(dim=-1).values
+        assert torch.equal(got[:, -want.shape[1]:], want.long()) and (got[:, : 3 - want.shape[1]] == -1).all()
+        # attention over the picked pages == reference attention over exactly those tokens
+        mask = torch.zeros(HQ, n, dtype=torch.bool)
+        for h in range(HQ):
+            pos = (want[h].view(-1, 1) * PAGE + torch.arange(PAGE)).flatten()
+            mask[h, pos[pos < n]] = True
+        expected = reference.sparse_decode_attention(q[i], keys, v_cache[table[i, :n].long()], mask)
+        out = decode_over_pages(q[i : i + 1], k_cache, v_cache, table, rows[i : i + 1], picked[i : i + 1],
+                                n_rows[i : i + 1], PAGE, 1 / D ** 0.5)
+        torch.testing.assert_close(out[0], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_decode_selection_and_attention_replay_from_a_cuda_graph():
+    """Capture summary update + scoring + top pages + the paged kernel once; replaying with new
+    queries, keys and lengths copied into the same buffers equals running them eagerly."""
+    dev = "cuda"
+    lengths = [40, 17, 29]
+    k_cache, v_cache, table = paged_batch(lengths, seed=2, device=dev, dtype=torch.bfloat16)
+    kmin, kmax = quest_pages.new_summaries(k_cache.shape[0], PAGE, HKV, D, torch.bfloat16, dev)
+    for i, n in enumerate(lengths):
+        slots = table[i, : n - 2].long()
+        quest_pages.add_keys(kmin, kmax, k_cache[slots], slots, PAGE)
+    rows = torch.arange(3, device=dev)
+    q_buf = torch.zeros(3, HQ, D, device=dev, dtype=torch.bfloat16)
+    n_buf = torch.zeros(3, dtype=torch.int64, device=dev)
+    slot_buf = torch.zeros(3, dtype=torch.int64, device=dev)
+
+    def step():
+        kk = k_cache[slot_buf]
+        quest_pages.add_keys(kmin, kmax, kk, slot_buf, PAGE)
+        scores = quest_pages.page_scores(q_buf, kmin, kmax, table, rows, n_buf, PAGE)
+        pages = quest_pages.top_pages(scores, 3)
+        return decode_over_pages(q_buf, k_cache, v_cache, table, rows, pages, n_buf, PAGE, 1 / D ** 0.5)
+
+    def load(offset, seed):
+        q_buf.copy_(torch.randn(3, HQ, D, generator=torch.Generator().manual_seed(seed)).to(dev, torch.bfloat16))
+        n = torch.tensor([x - offset for x in lengths], device=dev)
+        n_buf.copy_(n)
+        slot_buf.copy_(table[rows, n - 1].long())
+
+    saved = (kmin.clone(), kmax.clone())
+    load(1, seed=3)
+    step()  # warm-up (Triton compiles outside the capture)
+    kmin.copy_(saved[0]), kmax.copy_(saved[1])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_buf = step()
+    for offset, seed in ((1, 4), (0, 5)):  # token n-2 then n-1: summaries grow inside the graph
+        load(offset, seed)
+        graph.replay()
+        got = out_buf.clone()
+        after_graph = (kmin.clone(), kmax.clone())
+        kmin.copy_(saved[0]), kmax.copy_(saved[1])
+        want = step()  # eager from the same state
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+        assert torch.equal(after_graph[0], kmin) and torch.equal(after_graph[1], kmax)
+        saved = after_graph
