@@ -93,7 +93,9 @@ class Stream(threading.Thread):
 
 
 def running(base_url: str) -> int:
-    return requests.get(base_url + "/sparse/stats", timeout=60).json()["running_requests"]
+    """Requests running now from ``/sparse/stats``; -1 for plain SGLang (no such route)."""
+    resp = requests.get(base_url + "/sparse/stats", timeout=60)
+    return resp.json()["running_requests"] if resp.status_code == 200 else -1
 
 
 def decode_window(base_url: str, prompts: list[list[int]], max_new: int, warmup: int, window: int,
@@ -110,7 +112,9 @@ def decode_window(base_url: str, prompts: list[list[int]], max_new: int, warmup:
         time.sleep(0.5)
     stop.set()
     for _ in range(240):  # closed streams are aborted by the server; let it drain
-        if running(base_url) == 0:
+        left = running(base_url)
+        if left <= 0:
+            time.sleep(3 if left < 0 else 0)  # plain SGLang: no count, give aborts a moment
             break
         time.sleep(0.5)
     errors = [s.error for s in streams if s.error]

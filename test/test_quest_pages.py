@@ -108,3 +108,18 @@ def test_decode_selection_and_attention_replay_from_a_cuda_graph():
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
         assert torch.equal(after_graph[0], kmin) and torch.equal(after_graph[1], kmax)
         saved = after_graph
+
+
+@pytest.mark.gpu
+def test_page_scores_kernel_on_cuda_equals_the_torch_path():
+    lengths = [61, 5, 33]
+    k_cache, _, table = paged_batch(lengths, seed=7)
+    kmin, kmax = quest_pages.new_summaries(k_cache.shape[0], PAGE, HKV, D, torch.float32, "cpu")
+    for i, n in enumerate(lengths):
+        slots = table[i, :n].long()
+        quest_pages.add_keys(kmin, kmax, k_cache[slots], slots, PAGE)
+    q = torch.randn(3, HQ, D, generator=torch.Generator().manual_seed(8))
+    rows, n_rows = torch.tensor([1, 2, 0]), torch.tensor([5, 33, 61])
+    want = quest_pages.page_scores(q, kmin, kmax, table, rows, n_rows, PAGE)  # torch path (CPU)
+    got = quest_pages.page_scores(*(x.cuda() for x in (q, kmin, kmax, table, rows, n_rows)), PAGE)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)

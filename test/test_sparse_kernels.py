@@ -500,6 +500,29 @@ def case_compact_backward_overlap(T):
     assert torch.equal(k, kr) and torch.equal(v, vr)
 
 
+def case_quest_scores_paged_physical_pages(T):
+    """Summaries per physical page, reached through the slot table (pages scattered, partial
+    last page, a request with one page); fp32 and bf16 summaries."""
+    g = torch.Generator().manual_seed(61)
+    page, hq, hkv, d, n_phys = 4, 4, 2, 16, 40
+    r2t = torch.zeros(3, 30, dtype=torch.int32)
+    order = (torch.randperm(n_phys - 1, generator=g) + 1).tolist()
+    for b in range(3):
+        for p in range(8):
+            pg = order.pop()
+            cols = r2t[b, p * page : (p + 1) * page]  # the last page is cut by the table width
+            cols[:] = torch.arange(pg * page, (pg + 1) * page)[: cols.numel()]
+    for dtype in (torch.float32, torch.bfloat16):
+        kmin = torch.randn(n_phys, hkv, d, generator=g).to(dtype)
+        kmax = kmin + torch.rand(n_phys, hkv, d, generator=g).to(dtype)
+        q = torch.randn(3, hq, d, generator=g).to(dtype)
+        rows, n_pages = torch.tensor([2, 0, 1]), torch.tensor([8, 1, 5])
+        want = R.quest_page_scores_paged(q, kmin, kmax, r2t, rows, n_pages, page)
+        got = T.quest_page_scores_paged(q, kmin, kmax, r2t, rows, n_pages, page, block_p=4)
+        assert got.shape == (3, hq, 8)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def case_compact_disjoint_fast_path(T):
     g = torch.Generator().manual_seed(52)
     k, v = pool(100, 2, 16, torch.float16, g)

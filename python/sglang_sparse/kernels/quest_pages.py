@@ -12,6 +12,11 @@ from __future__ import annotations
 
 import torch
 
+try:  # the kernel package (installed by `make install`; carried to GPU machines)
+    import sgl_kernel_sparse
+except ImportError:  # pragma: no cover - exercised where the package is absent
+    sgl_kernel_sparse = None
+
 
 def new_summaries(num_slots: int, page: int, kv_heads: int, head_dim: int, dtype, device):
     pages = -(-num_slots // page)
@@ -39,7 +44,11 @@ def page_scores(q, kmin, kmax, table, req_rows, n_rows, page: int) -> torch.Tens
 
     q ``[B, H_q, d]``; table ``[R, max_len]``; req_rows, n_rows ``[B]``. Returns fp32 ``[B, H_q,
     P]`` with ``P = ceil(max_len / page)``; pages ``>= ceil(n_rows / page)`` are ``-inf``. Uses
-    ``max(q*M, q*m) = relu(q)*M + min(q,0)*m`` (M >= m), i.e. two batched matmuls."""
+    ``max(q*M, q*m) = relu(q)*M + min(q,0)*m`` (M >= m), i.e. two batched matmuls; on CUDA one
+    sgl-kernel-sparse Triton launch reads each page's summary once through the table."""
+    if sgl_kernel_sparse is not None and q.is_cuda:
+        n_pages = (n_rows.long() + page - 1) // page
+        return sgl_kernel_sparse.quest_page_scores_paged(q, kmin, kmax, table, req_rows.long(), n_pages, page)
     b, hq, d = q.shape
     hkv = kmin.shape[1]
     first_slots = table[req_rows.long()][:, ::page]  # [B, P]: slot of each row-page's first row

@@ -40,6 +40,7 @@ _REF_KWARGS = {
     "paged_sparse_decode_attention": ("scale",),
     "quest_update_summaries": ("summary_rows",),
     "quest_page_scores": ("summary_rows",),
+    "quest_page_scores_paged": (),
     "snapkv_window_scores": ("scale", "slots"),
     "compact_kv": (),
 }
@@ -69,6 +70,11 @@ def quest_update_summaries(k_cache, req_to_token, req_rows, starts, ends, kmin, 
 def quest_page_scores(q, kmin, kmax, n_pages, summary_rows=None, **triton_kwargs):
     return _pick("quest_page_scores", (q, kmin, kmax, n_pages),
                  dict(summary_rows=summary_rows, **triton_kwargs))
+
+
+def quest_page_scores_paged(q, kmin, kmax, req_to_token, req_rows, n_pages, page, **triton_kwargs):
+    return _pick("quest_page_scores_paged", (q, kmin, kmax, req_to_token, req_rows, n_pages, page),
+                 dict(triton_kwargs))
 
 
 def snapkv_window_scores(q_win, k, scale=None, slots=None, **triton_kwargs):

@@ -114,6 +114,15 @@ def quest_page_scores(q, kmin, kmax, n_pages, summary_rows=None):
     return scores.masked_fill(p >= n_pages.view(-1, 1, 1).to(q.device), float("-inf"))
 
 
+def quest_page_scores_paged(q, kmin, kmax, req_to_token, req_rows, n_pages, page):
+    """``quest_page_scores`` with summaries per physical KV page: kmin/kmax ``[N_pages, Hkv, D]``;
+    row-page p of request b is physical page ``req_to_token[req_rows[b], p*page] // page``.
+    Returns fp32 ``[B, Hq, ceil(max_len / page)]``, ``-inf`` for pages ``>= n_pages[b]``."""
+    phys = req_to_token[req_rows.long()][:, ::page].long() // page  # [B, P]
+    rows = torch.arange(q.shape[0], device=q.device)
+    return quest_page_scores(q, kmin[phys], kmax[phys], n_pages, summary_rows=rows)
+
+
 def quest_select_pages(scores, n_sel):
     """Top-``n_sel[b]`` pages per (request, head), ascending page ids, ``-1`` padding at the end.
 

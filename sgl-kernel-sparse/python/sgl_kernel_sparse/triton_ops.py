@@ -2,13 +2,14 @@
 
 from .triton_compact import compact_kv
 from .triton_decode import paged_sparse_decode_attention, sparse_decode_attention
-from .triton_quest import quest_page_scores, quest_update_summaries
+from .triton_quest import quest_page_scores, quest_page_scores_paged, quest_update_summaries
 from .triton_snapkv import snapkv_window_scores
 
 __all__ = [
     "compact_kv",
     "paged_sparse_decode_attention",
     "quest_page_scores",
+    "quest_page_scores_paged",
     "quest_update_summaries",
     "snapkv_window_scores",
     "sparse_decode_attention",

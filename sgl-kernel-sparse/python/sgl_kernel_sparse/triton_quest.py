@@ -54,12 +54,16 @@ def _quest_update_kernel(
 
 @triton.jit
 def _quest_scores_kernel(
-    Q, KMIN, KMAX, SUM_ROWS, N_PAGES, OUT, P,
-    s_qb, s_qh, s_mr, s_mp, s_mh, s_xr, s_xp, s_xh, s_ob, s_oh,
+    Q, KMIN, KMAX, SUM_ROWS, N_PAGES, OUT, P, TABLE,
+    s_qb, s_qh, s_mr, s_mp, s_mh, s_xr, s_xp, s_xh, s_ob, s_oh, s_t,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+    PAGE: tl.constexpr, PAGED: tl.constexpr,
 ):
     """Program (b, g, pb): pages [pb*BLOCK_P, +BLOCK_P) of KV head g, for its GROUP query heads
-    (the summary tile is loaded once and reused by every query head of the group)."""
+    (the summary tile is loaded once and reused by every query head of the group).
+
+    PAGED: summaries are per physical KV page ``[N_pages, Hkv, D]``; row-page p of request b
+    lives in physical page ``TABLE[SUM_ROWS[b], p*PAGE] // PAGE``."""
     b = tl.program_id(0)
     g = tl.program_id(1)
     pb = tl.program_id(2)
@@ -69,8 +73,15 @@ def _quest_scores_kernel(
     d = tl.arange(0, BLOCK_D)
     live = p < n_pages
     m2 = live[:, None] & (d[None, :] < D)
-    mn = tl.load(KMIN + row * s_mr + p[:, None] * s_mp + g * s_mh + d[None, :], mask=m2, other=0.0)
-    mx = tl.load(KMAX + row * s_xr + p[:, None] * s_xp + g * s_xh + d[None, :], mask=m2, other=0.0)
+    if PAGED:
+        phys = tl.load(TABLE + row * s_t + p * PAGE, mask=live, other=0).to(tl.int64) // PAGE
+        off_mn = phys[:, None] * s_mp
+        off_mx = phys[:, None] * s_xp
+    else:
+        off_mn = row * s_mr + p[:, None] * s_mp
+        off_mx = row * s_xr + p[:, None] * s_xp
+    mn = tl.load(KMIN + off_mn + g * s_mh + d[None, :], mask=m2, other=0.0)
+    mx = tl.load(KMAX + off_mx + g * s_xh + d[None, :], mask=m2, other=0.0)
     mn = mn.to(tl.float32)
     mx = mx.to(tl.float32)
     for gi in tl.static_range(GROUP):
@@ -137,9 +148,35 @@ def quest_page_scores(q, kmin, kmax, n_pages, summary_rows=None, block_p=None):
     if block_p is None:
         block_p = max(8, min(64, 4096 // block_d))  # ~4K fp32 per summary tile
     _quest_scores_kernel[(b, hkv, triton.cdiv(p_max, block_p))](
-        q, kmin, kmax, summary_rows, n_pages, out, p_max,
+        q, kmin, kmax, summary_rows, n_pages, out, p_max, summary_rows,
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
-        kmax.stride(0), kmax.stride(1), kmax.stride(2), out.stride(0), out.stride(1),
-        GROUP=hq // hkv, D=d, BLOCK_D=block_d, BLOCK_P=block_p, num_warps=4,
+        kmax.stride(0), kmax.stride(1), kmax.stride(2), out.stride(0), out.stride(1), 0,
+        GROUP=hq // hkv, D=d, BLOCK_D=block_d, BLOCK_P=block_p, PAGE=1, PAGED=False, num_warps=4,
+    )
+    return out
+
+
+def quest_page_scores_paged(q, kmin, kmax, req_to_token, req_rows, n_pages, page, block_p=None):
+    """Triton version of ``reference.quest_page_scores_paged``: fp32 ``[B, Hq, P]``,
+    ``P = ceil(req_to_token.shape[1] / page)``. No host sync (CUDA-graph safe)."""
+    b, hq, d = q.shape
+    hkv = kmin.shape[1]
+    if hq % hkv:
+        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
+    if req_to_token.stride(1) != 1:
+        raise ValueError("req_to_token rows must be contiguous")
+    check_device(req_to_token, req_rows, n_pages)
+    p_max = -(-req_to_token.shape[1] // page)
+    out = torch.empty(b, hq, p_max, dtype=torch.float32, device=q.device)
+    if b == 0 or p_max == 0:
+        return out
+    block_d = pow2(d, 16)
+    if block_p is None:
+        block_p = max(8, min(64, 4096 // block_d))
+    _quest_scores_kernel[(b, hkv, triton.cdiv(p_max, block_p))](
+        q, kmin, kmax, req_rows, n_pages, out, p_max, req_to_token,
+        q.stride(0), q.stride(1), 0, kmin.stride(0), kmin.stride(1),
+        0, kmax.stride(0), kmax.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0),
+        GROUP=hq // hkv, D=d, BLOCK_D=block_d, BLOCK_P=block_p, PAGE=int(page), PAGED=True, num_warps=4,
     )
     return out
