@@ -3,6 +3,8 @@ SnapKV compaction and slot release, Quest page selection, leak-freedom, config v
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -211,3 +213,33 @@ def test_layer_hooks_are_skipped_only_for_runtimes_without_any():
     assert not ToyEngine("dense").ctl.layer_hooks
     assert ToyEngine("quest").ctl.layer_hooks
     assert ToyEngine("snapkv").ctl.layer_hooks
+
+
+def test_snapkv_resumes_a_chain_and_recompacts_over_logical_positions():
+    """Chain Cache at the contract level: a request resumes another's compacted rows (P < N);
+    its suffix is prefilled after them and the next compaction keeps logical positions that are
+    either previously kept ones or suffix ones, as the reference picks over the resident rows."""
+    budget, window = 24, 4
+    q, k, v = qkv(100, seed=11)
+    eng = ToyEngine("snapkv", {"budget": budget, "window": window, "kernel": 1})
+    eng.prefill("a", 0, q, k, v, chunk=40)
+    old = eng.ctl.cache.retained("a")
+    parked, meta = copy.deepcopy(old), dict(eng.ctl.cache.requests["a"].metadata)
+    eng.ctl.request_finished("a")  # the chain keeps row 0 and its slots (no release_row)
+    assert (parked.logical_len, parked.n_rows) == (100, budget)
+    sq, sk, sv = qkv(30, seed=12)  # the continuation's suffix: logical positions [100, 130)
+    ref = copy.deepcopy(parked)  # `parked` itself becomes b's live map
+    eng.ctl.request_resumed("b", 0, 130, parked, meta)
+    s = RequestSlice("b", 0, 100, 130, budget, 130)
+    freed = eng.run_step(StepMode.PREFILL, [s], sq, sk, sv)
+    assert freed == 30  # 24 + 30 rows -> 24
+    ret = eng.ctl.cache.retained("b")
+    assert (ret.logical_len, ret.n_rows, ret.offset) == (130, budget, 106)
+    for layer in range(LAYERS):
+        pos = ref.positions[layer]  # [HKV, 24] logical positions of the resumed rows
+        old_k = torch.stack([k[layer][pos[h], h] for h in range(HKV)], dim=1)  # [24, HKV, D]
+        rows_k = torch.cat([old_k, sk[layer]])  # the 54 resident rows in row order
+        picked = reference.snapkv_keep_indices(sq[layer][-window:], rows_k, budget, window, 1)
+        held = torch.cat([pos, torch.arange(100, 130).expand(HKV, 30)], dim=1)
+        assert torch.equal(ret.positions[layer], held.gather(1, picked))
+        assert not torch.equal(ret.positions[layer], picked)  # rows are not logical positions here

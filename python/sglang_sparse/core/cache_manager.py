@@ -43,6 +43,14 @@ class CacheManager:
         self.requests[rid] = state
         return state
 
+    def attach(self, rid: str, req_row: int, prompt_len: int, retained: RetainedMap,
+               metadata: dict[str, Any]) -> RequestState:
+        """A request resumes retained state (Chain Cache): its rows ``[0, retained.n_rows)`` hold
+        what an earlier request of the chain kept, with the same map and method metadata."""
+        state = RequestState(req_row, prompt_len, retained, dict(metadata))
+        self.requests[rid] = state
+        return state
+
     def on_written(self, rid: str, n: int) -> None:
         """n tokens of this request got their KV written in new rows this step."""
         self.requests[rid].retained.append(n)

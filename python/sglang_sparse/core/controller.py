@@ -32,6 +32,11 @@ class SparseController:
         self.cache.start(rid, req_row, prompt_len, cached_len)
         self.runtime.on_request_start(rid)
 
+    def request_resumed(self, rid: str, req_row: int, prompt_len: int, retained, metadata: dict) -> None:
+        """Chain Cache: the request continues from retained rows + method metadata."""
+        self.cache.attach(rid, req_row, prompt_len, retained, metadata)
+        self.runtime.on_request_start(rid)
+
     def request_finished(self, rid: str) -> None:
         if rid in self.cache.requests:
             self.runtime.on_request_end(rid)

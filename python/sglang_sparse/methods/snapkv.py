@@ -90,13 +90,14 @@ class SnapKVRuntime(SparseMethodRuntime):
         prompt, ret = state.prompt_len, state.retained
         window_q = state.metadata.pop("window_q")
         keep = []
+        held = ret.all_positions()  # [layers, kv_heads, rows]: logical position of each row
+        prompt_rows = prompt - ret.offset  # rows holding prompt tokens (a resumed chain: fewer)
         for layer in range(self.cache.store.num_layers):
-            # Rows are still the identity map here: row j holds logical position j.
-            k = self.cache.keys(rid, layer)[:prompt]
+            k = self.cache.keys(rid, layer)[:prompt_rows]
             picked = reference.snapkv_keep_indices(
                 window_q[layer], k, self.config.budget, self.config.window, self.config.kernel
-            )
-            keep.append(picked.cpu())
+            )  # row indices per KV head (== logical positions unless the request resumed a chain)
+            keep.append(held[layer].gather(1, picked.cpu()))
         keep_t = torch.stack(keep)  # [layers, kv_heads, budget]
         decoded = ret.logical_len - prompt  # tokens decoded before the safe point: kept
         if decoded:

@@ -27,5 +27,9 @@ def ensure_controller(model_runner) -> SparseController:
         if runtime.evicts_kv:  # only evicting methods shift RoPE positions (see state.pos_offset)
             rows = model_runner.req_to_token_pool.req_to_token.shape[0]
             state.pos_offset = torch.zeros(rows, dtype=torch.int64, device=model_runner.device)
-        logger.info("sglang_sparse: method %s %s", method, config.get("options"))
+        from sglang_sparse.srt import chains
+
+        chains.setup(model_runner, config)
+        logger.info("sglang_sparse: method %s %s, chain cache %s", method, config.get("options"),
+                    "on" if state.chains is not None else "off")
     return state.controller

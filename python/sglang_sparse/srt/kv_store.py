@@ -8,6 +8,7 @@ import torch
 class SGLangKVStore:
     def __init__(self, model_runner) -> None:
         self.pool = model_runner.token_to_kv_pool
+        self.req_pool = model_runner.req_to_token_pool
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.allocator = model_runner.token_to_kv_pool_allocator
         self.num_layers = model_runner.model_config.num_hidden_layers

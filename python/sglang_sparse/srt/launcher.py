@@ -124,6 +124,7 @@ def sparse_config(argv: list[str], log=logger.info) -> tuple[dict, list[str]]:
     Raises ConfigError with a sentence saying what is wrong."""
     config, argv = parse_sparse_args(argv)
     runtime = get_method(config["method"]).runtime_cls
+    config["chain_cache"], argv = _chain_cache(config["method"], runtime, argv, log)
     if runtime.evicts_kv:
         # Compaction happens between steps and rows stop matching logical tokens (see
         # srt/step_hooks.py): no overlap scheduler, no mixed chunks, no radix insertion.
@@ -159,6 +160,28 @@ def sparse_config(argv: list[str], log=logger.info) -> tuple[dict, list[str]]:
             log(f"sglang_sparse: {config['method']} hooks prefill layers in Python; added --cuda-graph-backend-prefill disabled")
     log(f"sglang_sparse: method {config['method']} {config['options']}")
     return config, argv
+
+
+CHAIN_CACHE_CHOICES = ("auto", "on", "off")
+
+
+def _chain_cache(method: str, runtime, argv: list[str], log) -> tuple[bool, list[str]]:
+    """``--chain-cache {auto,on,off}`` (taken out of argv): auto = on for methods that evict
+    (full-KV methods reuse prefixes through SGLang's radix cache)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--chain-cache", default="auto")
+    known, rest = parser.parse_known_args(argv)
+    choice = known.chain_cache
+    if choice not in CHAIN_CACHE_CHOICES:
+        raise ConfigError(f"--chain-cache {choice} is not one of {', '.join(CHAIN_CACHE_CHOICES)}")
+    if choice == "on" and not runtime.evicts_kv:
+        raise ConfigError(f"--chain-cache on needs a method that evicts KV; {method} keeps every token's "
+                          "KV and reuses prefixes through the radix cache")
+    on = choice == "on" or (choice == "auto" and runtime.evicts_kv)
+    if on:
+        log(f"sglang_sparse: chain cache on for {method} (pass sampling_params.custom_params.chain_id "
+            "to continue a chain)")
+    return on, rest
 
 
 def _page_size(config: dict, runtime, argv: list[str], given, log) -> list[str]:

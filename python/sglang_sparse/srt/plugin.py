@@ -35,14 +35,19 @@ def load() -> None:
     status.register_scheduler_status()
     status.REGISTRATIONS.append("hook:scheduler-internal-state")
     status.register_routes()
+    chain_cache = bool(activation.load_config().get("chain_cache"))
     if multiprocessing.current_process().name != "MainProcess":
-        _register_runtime()
+        _register_runtime(chain_cache)
+    elif chain_cache:
+        from sglang_sparse.srt import chains
+
+        status.REGISTRATIONS.extend(chains.register_main())
     logger.info("sglang_sparse plugin loaded: %s", ", ".join(status.REGISTRATIONS))
 
 
-def _register_runtime() -> None:
-    """Scheduler-side: the attention backend that drives the controller, the step hooks and the
-    MemoryOracle-driven admission."""
+def _register_runtime(chain_cache: bool) -> None:
+    """Scheduler-side: the attention backend that drives the controller, the step hooks, the
+    MemoryOracle-driven admission and (when on) Chain Cache."""
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
 
     from sglang_sparse.srt import admission, attention, step_hooks
@@ -52,6 +57,10 @@ def _register_runtime() -> None:
     status.REGISTRATIONS.extend(["attention-backend:torch_native", "attention-backend:triton"])
     status.REGISTRATIONS.extend(step_hooks.register())
     status.REGISTRATIONS.extend(admission.register())
+    if chain_cache:
+        from sglang_sparse.srt import chains
+
+        status.REGISTRATIONS.extend(chains.register_scheduler())
 
 
 def _create_triton_backend(model_runner):

@@ -16,3 +16,6 @@ current_step: StepInfo | None = None
 # Per request row: logical length minus resident rows (tokens whose KV was evicted). Decode RoPE
 # positions are ``seq_lens - 1 + pos_offset[row]`` (SGLang's seq_lens counts resident rows).
 pos_offset: torch.Tensor | None = None
+# Chain Cache (srt/chains.py): the index of this scheduler's chains, and what a chain must match.
+chains = None
+chain_fingerprint: str = ""

@@ -54,12 +54,28 @@ def scheduler_stats(scheduler) -> dict | None:
         "running_requests": len(state.controller.cache.requests),
         "steps": stats["steps"],
         "counters": stats["counters"],
+        **_chain_stats(state.chains),
     }
+
+
+def _chain_stats(index) -> dict:
+    """Chain Cache: chains per status and the KV rows idle chains hold (free + idle rows +
+    running requests' rows == total)."""
+    if index is None:
+        return {}
+    by_status: dict[str, int] = {}
+    for rec in index.chains.values():
+        by_status[rec.status.value] = by_status.get(rec.status.value, 0) + 1
+    return {"chains": by_status, "chain_idle_rows": index.idle_rows()}
 
 
 def _add_scheduler_record(result, controller, *args, **kwargs):
     record = process_record()
     record["stats"] = scheduler_stats(controller.scheduler)
+    from sglang_sparse.srt import state
+
+    if state.chains is not None:
+        record["chains"] = [rec.describe() for rec in state.chains.chains.values()]
     result.internal_state["sglang_sparse"] = record
     return result
 
@@ -91,6 +107,28 @@ async def sparse_stats():
     return {**(per_rank[0] or {}), "per_rank": per_rank}
 
 
+async def _chain_records() -> list[dict]:
+    from sglang.srt.entrypoints.http_server import get_global_state
+
+    states = await get_global_state().tokenizer_manager.get_internal_state()
+    return (states[0].get("sglang_sparse") or {}).get("chains") or []
+
+
+async def list_chains():
+    """GET /chain: every chain of scheduler 0 (status, processed tokens, retained rows, last use)."""
+    return {"chains": await _chain_records()}
+
+
+async def get_chain(chain_id: str):
+    """GET /chain/{chain_id}: one chain, 404 if unknown."""
+    from fastapi import HTTPException
+
+    for rec in await _chain_records():
+        if rec["chain_id"] == chain_id:
+            return rec
+    raise HTTPException(status_code=404, detail=f"unknown chain {chain_id!r}")
+
+
 def register_routes() -> None:
     """Admin routes live in the HTTP server, i.e. the main process only."""
     if multiprocessing.current_process().name != "MainProcess":
@@ -100,3 +138,7 @@ def register_routes() -> None:
     app.add_api_route("/sparse/info", sparse_info, methods=["GET"])
     app.add_api_route("/sparse/stats", sparse_stats, methods=["GET"])
     REGISTRATIONS.extend(["route:/sparse/info", "route:/sparse/stats"])
+    if activation.load_config().get("chain_cache"):
+        app.add_api_route("/chain", list_chains, methods=["GET"])
+        app.add_api_route("/chain/{chain_id}", get_chain, methods=["GET"])
+        REGISTRATIONS.extend(["route:/chain", "route:/chain/{id}"])

@@ -22,7 +22,7 @@ inserted into the radix tree, would be wrong.
 from __future__ import annotations
 
 from sglang_sparse.core.events import RequestSlice, StepInfo, StepMode
-from sglang_sparse.srt import state
+from sglang_sparse.srt import chains, state
 
 FORWARD_TARGET = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
 RELEASE_TARGET = "sglang.srt.mem_cache.common.release_kv_cache"
@@ -47,8 +47,11 @@ def step_from_batch(batch, ctl) -> StepInfo | None:
         kind = StepMode.DECODE
     elif mode.name in ("EXTEND", "MIXED"):  # speculative verify modes are not supported
         for req, prefix, extend in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
-            slices.append(RequestSlice(req.rid, req.kv.req_pool_idx, prefix, prefix + extend, prefix,
-                                       len(req.origin_input_ids)))
+            # prefix counts resident rows; a request resuming a chain has `sparse_offset` logical
+            # tokens without KV before them (see chains.after_prepare_for_extend).
+            off = getattr(req, "sparse_offset", 0)
+            slices.append(RequestSlice(req.rid, req.kv.req_pool_idx, prefix + off, prefix + off + extend,
+                                       prefix, len(req.origin_input_ids)))
         kind = StepMode.MIXED if mode.is_mixed() else StepMode.PREFILL
     else:
         return None
@@ -60,13 +63,17 @@ def around_forward(original, worker, batch=None, *args, **kwargs):
     step = step_from_batch(batch, ctl) if (ctl is not None and batch is not None) else None
     if step is None:
         return original(worker, batch, *args, **kwargs)
-    for r in step.requests:
+    for r, req in zip(step.requests, batch.reqs):
         known = ctl.cache.requests.get(r.rid)
         if known is not None and (known.req_row != r.req_row or r.logical_start == 0):
             ctl.request_finished(r.rid)  # retracted and re-admitted: start over
             known = None
         if known is None:
-            ctl.request_started(r.rid, r.req_row, r.prompt_len, cached_len=r.logical_start)
+            resumed = chains.resumed_state(req) if r.logical_start else None
+            if resumed is not None:
+                ctl.request_resumed(r.rid, r.req_row, r.prompt_len, *resumed)
+            else:
+                ctl.request_started(r.rid, r.req_row, r.prompt_len, cached_len=r.logical_start)
     ctl.begin_step(step)
     state.current_step = step
     try:
@@ -112,18 +119,27 @@ def before_new_prefill(scheduler, running_batch=None, *args, **kwargs):
     full KV until the next decode step. Here the last prefill batch is already merged into the
     running batch and its results are processed."""
     apply_safe_point(running_batch)
+    chains.reclaim_for(scheduler, running_batch)
     return None
 
 
 def before_model_forward(runner, forward_batch=None, *args, **kwargs):
     """Logical RoPE positions for rows whose earlier KV was evicted (see ``state.pos_offset``)."""
-    if state.pos_offset is not None and forward_batch is not None and forward_batch.forward_mode.is_decode():
-        offset = state.pos_offset[forward_batch.req_pool_indices]
+    if state.pos_offset is None or forward_batch is None:
+        return None
+    mode = forward_batch.forward_mode
+    offset = state.pos_offset[forward_batch.req_pool_indices]
+    if mode.is_decode():
         forward_batch.positions = forward_batch.positions + offset.to(forward_batch.positions.dtype)
+    elif mode.is_extend() and state.chains is not None and forward_batch.extend_seq_lens is not None:
+        # A request resuming a chain prefills its suffix after evicted tokens (chains.py).
+        per_token = offset.repeat_interleave(forward_batch.extend_seq_lens.to(offset.device))
+        forward_batch.positions = forward_batch.positions + per_token.to(forward_batch.positions.dtype)
     return None
 
 
 def before_release(req, *args, **kwargs):
+    chains.before_release(req)  # park the chain's state while the controller still has it
     if state.controller is not None:
         state.controller.request_finished(req.rid)
         if state.pos_offset is not None and req.kv.req_pool_idx is not None:

@@ -1,0 +1,258 @@
+"""Chain Cache inside SGLang's scheduler (issue 5, first slice: evicting methods over /generate).
+
+A request names its chain in ``sampling_params.custom_params.chain_id`` (the one per-request
+field SGLang carries to the scheduler); without one it starts a chain. Every response's
+``meta_info`` gets ``chain_id``, ``chain_status`` (created|resumed) and ``reused_tokens``.
+
+Life of a chain's KV (``core.chain_index`` holds the records):
+
+- **park** (AROUND ``UnifiedRadixCache.claim_kv_row``, the hook SGLang's streaming sessions use to
+  keep a finished request's row): a normally finished request keeps its resident rows ``[0, P)``
+  (over-allocated rows past P are freed) and its req_to_token row; the record stores SGLang's
+  ``ReqKvInfo``, the RetainedMap and the method metadata (snapshotted by ``before_release``
+  before the controller forgets the request). Parked rows are reported through
+  ``session_records`` so SGLang's idle leak checks count them.
+- **lend** (AROUND ``UnifiedRadixCache.match_prefix``): a continuation borrows the record; the
+  match says N = processed logical tokens, so SGLang prefills only the suffix ``[N, len)``.
+- **rows vs logical** (AFTER ``ScheduleBatch.prepare_for_extend``): SGLang writes the suffix
+  slots at ``row[N:N+s]`` and counts N prefix rows; the request really holds P <= N rows, so
+  the slots move to ``row[P:P+s]``, the batch lengths become rows, and ``state.pos_offset``
+  gets N - P (RoPE positions stay logical, see ``step_hooks.before_model_forward``).
+- an aborted or retracted request invalidates its chain (its rows are freed by SGLang, since
+  the request owned them while it ran); idle chains are reclaimed least recently used when a
+  waiting request does not fit (``reclaim_for``).
+
+Not yet: admin routes (``/chain``), SGLang sessions and OpenAI ``usage`` mapping, chains for
+full-KV methods (they reuse prefixes through the radix cache).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from sglang_sparse.core.chain_index import ChainCacheIndex, ChainError, ChainStatus, fingerprint
+from sglang_sparse.core.retained import RetainedMap
+from sglang_sparse.srt import state
+
+CREATE_TARGET = "sglang.srt.managers.scheduler.Scheduler._create_generation_req"
+CACHE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
+EXTEND_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
+META_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.update_request_meta_info"
+INFO_KEY = "sglang_sparse_chain"
+
+
+@dataclass
+class Parked:
+    """A chain's payload: SGLang's KV record (req_to_token row + row count) and the method's
+    view of those rows."""
+
+    kv: Any
+    retained: RetainedMap
+    metadata: dict
+
+
+@dataclass
+class ReqChain:
+    """What a request knows of its chain (``req.sparse_chain``)."""
+
+    chain_id: str
+    status: str  # "created" | "resumed"
+    reused: int  # logical tokens taken from the chain (its processed boundary)
+    lent: Parked | None = None  # the resumed payload, owned by the request once lent
+    fixed: bool = False  # rows-vs-logical fix-up done for the first extend
+
+
+def setup(model_runner, config: dict) -> None:
+    """Create this scheduler's index (called with the controller)."""
+    if not config.get("chain_cache"):
+        return
+    store = state.controller.cache.store
+    state.chains = ChainCacheIndex(lambda p: _free_payload(store, p))
+    model = getattr(model_runner.server_args, "model_path", "") or ""
+    state.chain_fingerprint = fingerprint(str(model), config.get("method", "dense"), config.get("options") or {})
+
+
+def _free_payload(store, payload: Parked) -> None:
+    kv = payload.kv
+    if kv.req_pool_idx is None:
+        return
+    n = kv.kv_allocated_len
+    if n:
+        store.free_slots(store.row_slots(kv.req_pool_idx, 0, n).clone())
+    store.req_pool.free_rows([kv.req_pool_idx])
+    kv.req_pool_idx = None
+    kv.kv_allocated_len = kv.kv_committed_len = 0
+
+
+# -- arrival ---------------------------------------------------------------------------------------
+def after_create_req(req, scheduler, recv_req, *args, **kwargs):
+    idx = state.chains
+    if idx is None or req is None or req.to_finish is not None:
+        return None
+    params = req.sampling_params.custom_params
+    chain_id = params.get("chain_id") if isinstance(params, dict) else None
+    try:
+        if chain_id is None:
+            req.sparse_chain = ReqChain(idx.start(state.chain_fingerprint).chain_id, "created", 0)
+        else:
+            rec = idx.resume(str(chain_id), state.chain_fingerprint, list(req.origin_input_ids))
+            req.sparse_chain = ReqChain(rec.chain_id, "resumed", rec.boundary, rec.payload)
+    except ChainError as err:
+        req.set_finish_with_abort(err.message, status_code=err.status, err_type=type(err).__name__)
+        return None
+    ch = req.sparse_chain
+    info = {"chain_id": ch.chain_id, "chain_status": ch.status, "reused_tokens": ch.reused}
+    req.customized_info = {**(req.customized_info or {}), INFO_KEY: [info]}
+    return None
+
+
+# -- prefix match: lend the parked rows ------------------------------------------------------------
+def around_match_prefix(original, cache, params, *args, **kwargs):
+    req = getattr(params, "req", None)
+    ch = getattr(req, "sparse_chain", None)
+    if ch is None or ch.lent is None or ch.fixed:
+        return original(cache, params, *args, **kwargs)
+    from sglang.srt.mem_cache.base_prefix_cache import MatchResult
+    from sglang.srt.session.streaming_session import _VirtualNode
+
+    if req.kv is not ch.lent.kv:
+        req.kv = ch.lent.kv  # the request owns the rows from now on (freed by SGLang if it aborts)
+        rec = state.chains.chains.get(ch.chain_id)
+        if rec is not None and rec.payload is ch.lent:
+            rec.payload, rec.rows = None, 0
+    node = _VirtualNode()
+    return MatchResult(device_prefix_len=ch.reused, last_device_node=node, last_host_node=node,
+                       best_match_node=node, cache_protected_len=0)
+
+
+# -- rows vs logical after SGLang allocated the extend ---------------------------------------------
+def after_prepare_for_extend(result, batch, *args, **kwargs):
+    offsets = []
+    for req in batch.reqs:
+        ch = getattr(req, "sparse_chain", None)
+        if ch is not None and ch.lent is not None and not ch.fixed:
+            ch.fixed = True
+            req.sparse_offset = ch.reused - ch.lent.retained.n_rows
+        offsets.append(getattr(req, "sparse_offset", 0))
+    if not any(offsets):
+        return None
+    table = batch.req_to_token_pool.req_to_token
+    prefix = list(batch.prefix_lens)
+    seq_lens, seq_cpu, orig = batch.seq_lens.clone(), batch.seq_lens_cpu.clone(), batch.orig_seq_lens.clone()
+    for i, (req, off) in enumerate(zip(batch.reqs, offsets)):
+        if not off:
+            continue
+        row, logical, s = req.kv.req_pool_idx, prefix[i], batch.extend_lens[i]
+        rows = logical - off  # the request's resident rows before this extend
+        table[row, rows : rows + s] = table[row, logical : logical + s].clone()
+        prefix[i] = rows
+        seq_lens[i] = seq_cpu[i] = orig[i] = rows + s
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = rows + s
+        state.pos_offset[row] = off
+    batch.prefix_lens = prefix
+    batch.seq_lens, batch.seq_lens_cpu, batch.orig_seq_lens = seq_lens, seq_cpu, orig
+    batch.seq_lens_sum = int(seq_cpu.sum())
+    return None
+
+
+def resumed_state(req):
+    """(retained map, metadata) a request resumes with, or None (see step_hooks.around_forward)."""
+    ch = getattr(req, "sparse_chain", None)
+    if ch is None or ch.lent is None:
+        return None
+    return copy.deepcopy(ch.lent.retained), ch.lent.metadata
+
+
+# -- the request leaves: park, or invalidate ---------------------------------------------------------
+def before_release(req) -> None:
+    """Called by step_hooks.before_release while the controller still knows the request."""
+    ch, idx = getattr(req, "sparse_chain", None), state.chains
+    req.sparse_offset = 0  # a retracted request that comes back prefills from scratch
+    if ch is None or idx is None:
+        return
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    rec = idx.chains.get(ch.chain_id)
+    if rec is None or rec.status is not ChainStatus.ACTIVE:
+        return  # already invalidated (e.g. retracted earlier): nothing to keep
+    known = state.controller.cache.requests.get(req.rid)
+    if req.finished() and not isinstance(req.finished_reason, FINISH_ABORT) and known is not None:
+        req.sparse_park = Parked(None, copy.deepcopy(known.retained), dict(known.metadata))
+    else:  # cancelled, failed or retracted: the request's own release frees its rows
+        idx.invalidate(ch.chain_id, "aborted" if req.finished() else "preempted")
+
+
+def around_claim_kv_row(original, cache, req, *args, **kwargs):
+    park = getattr(req, "sparse_park", None)
+    if park is None:
+        return original(cache, req, *args, **kwargs)
+    req.sparse_park = None
+    rows, store = park.retained.n_rows, state.controller.cache.store
+    row, allocated = req.kv.req_pool_idx, req.kv.kv_allocated_len
+    if allocated > rows:  # a slot allocated for a token that never ran
+        store.free_slots(store.row_slots(row, rows, allocated).clone())
+    req.kv.kv_allocated_len = req.kv.kv_committed_len = rows
+    park.kv = req.detach_kv()
+    tokens = (list(req.origin_input_ids) + list(req.output_ids))[: park.retained.logical_len]
+    state.chains.park(req.sparse_chain.chain_id, tokens, park, rows)
+    return True
+
+
+def around_session_records(original, cache, *args, **kwargs):
+    records = dict(original(cache, *args, **kwargs))
+    if state.chains is not None:
+        for rec in state.chains.chains.values():
+            if rec.status is ChainStatus.IDLE and rec.payload is not None:
+                records[f"{INFO_KEY}:{rec.chain_id}"] = rec.payload.kv
+    return records
+
+
+def reclaim_for(scheduler, running_batch=None) -> None:
+    """Before admission: free idle chains, least recently used first (active chains are never
+    touched), when the first waiting request cannot fit: by the arithmetic (prompt + decode
+    reserve against free slots, a free req_to_token row), or because nothing runs and it is still
+    first in line after a scheduling round (SGLang's admission keeps margins of its own; one more
+    chain per round)."""
+    idx = state.chains
+    if idx is None or not scheduler.waiting_queue or not idx.idle_rows():
+        return
+    req = scheduler.waiting_queue[0]
+    prompt = len(req.origin_input_ids)
+    need = prompt + 1 + state.controller.oracle.decode_reserve(prompt, req.sampling_params.max_new_tokens or 0)
+    free = state.controller.cache.store.free_count()
+    if free < need or scheduler.req_to_token_pool.available_size() < 1:
+        idx.reclaim(max(need - free, 1))
+    elif ((running_batch is None or running_batch.is_empty()) and getattr(scheduler, "chunked_req", None) is None
+          and getattr(scheduler, "_sparse_refused_head", None) == req.rid):
+        idx.reclaim(1)  # the same request was first in line last round too, and nothing runs
+    scheduler._sparse_refused_head = req.rid
+
+
+# -- response --------------------------------------------------------------------------------------
+def around_update_meta_info(original, manager, meta_info, state_, customized_info, index, *args, **kwargs):
+    out = original(manager, meta_info, state_, customized_info, index, *args, **kwargs)
+    values = meta_info.pop(INFO_KEY, None)
+    if values:
+        meta_info.update(values[0])
+    return out
+
+
+def register_scheduler() -> list[str]:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(CREATE_TARGET, after_create_req, HookType.AFTER)
+    HookRegistry.register(f"{CACHE}.match_prefix", around_match_prefix, HookType.AROUND)
+    HookRegistry.register(f"{CACHE}.claim_kv_row", around_claim_kv_row, HookType.AROUND)
+    HookRegistry.register(f"{CACHE}.session_records", around_session_records, HookType.AROUND)
+    HookRegistry.register(EXTEND_TARGET, after_prepare_for_extend, HookType.AFTER)
+    return ["hook:chain-arrival", "hook:chain-match", "hook:chain-park", "hook:chain-records",
+            "hook:chain-extend-rows"]
+
+
+def register_main() -> list[str]:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(META_TARGET, around_update_meta_info, HookType.AROUND)
+    return ["hook:chain-meta-info"]

@@ -1,0 +1,138 @@
+"""Chain Cache through the real server (CPU, SnapKV): a continuation prefills only its suffix on
+top of the compacted KV of the earlier turn, errors have their codes and leave other requests
+alone, idle chains are reclaimed least recently used, and every KV row is accounted for."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import requests
+
+from conftest import start_server
+
+BUDGET, POOL = 64, 4096
+ARGS = ["--max-total-tokens", str(POOL), "--chunked-prefill-size", "256", "--log-level", "warning",
+        "--dtype", "float32", "--sparse-method", "snapkv", "--sparse-budget", str(BUDGET),
+        "--sparse-window", "8"]  # --chain-cache auto: on for SnapKV
+
+
+@pytest.fixture(scope="module")
+def server(request, default_model_dir):
+    return start_server(ARGS, request)
+
+
+def gen(server, ids, n, chain_id=None, timeout=600):
+    sp = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+    if chain_id is not None:
+        sp["custom_params"] = {"chain_id": chain_id}
+    resp = requests.post(server.base_url + "/generate", json={"input_ids": ids, "sampling_params": sp},
+                         timeout=timeout)
+    return resp.status_code, resp.json()
+
+
+def stats(server) -> dict:
+    return requests.get(server.base_url + "/sparse/stats", timeout=60).json()
+
+
+def chain(server, chain_id) -> dict:
+    return requests.get(f"{server.base_url}/chain/{chain_id}", timeout=60).json()
+
+
+def ids(n, seed):
+    return [1000 + (7 * j + 13 * seed) % 20000 for j in range(n)]
+
+
+def assert_rows_accounted(server):
+    """Nothing running: every slot is free or held by an idle chain."""
+    s = stats(server)
+    assert s["running_requests"] == 0
+    assert s["kv_free_slots"] + s["chain_idle_rows"] == s["kv_total_slots"]
+
+
+def test_continuation_prefills_only_the_suffix_over_compacted_kv(server):
+    before = stats(server)["counters"]
+    p1 = ids(300, 1)
+    code, o1 = gen(server, p1, 6)
+    assert code == 200, o1
+    m1 = o1["meta_info"]
+    assert (m1["chain_status"], m1["reused_tokens"]) == ("created", 0)
+    cid = m1["chain_id"]
+    # processed boundary: the prompt and every output token but the last (it has no KV yet)
+    rec = chain(server, cid)
+    assert (rec["status"], rec["processed_tokens"], rec["retained_rows"]) == ("idle", 305, BUDGET + 5)
+    assert_rows_accounted(server)
+
+    p2 = p1 + o1["output_ids"] + ids(40, 2)
+    code, o2 = gen(server, p2, 6, cid)
+    assert code == 200, o2
+    m2 = o2["meta_info"]
+    assert (m2["chain_id"], m2["chain_status"], m2["reused_tokens"]) == (cid, "resumed", 305)
+    assert m2["cached_tokens"] == 305  # SGLang prefilled only the 41-token suffix
+    after = stats(server)["counters"]
+    # turn 2 compacted its 69 resumed rows + 41 new ones back to the budget
+    assert after["compactions"] - before["compactions"] == 2
+    assert after["slots_released"] - before["slots_released"] == (300 - BUDGET) + (BUDGET + 5 + 41 - BUDGET)
+    rec = chain(server, cid)
+    assert (rec["status"], rec["processed_tokens"], rec["retained_rows"]) == ("idle", 351, BUDGET + 5)
+    assert_rows_accounted(server)
+
+
+def test_short_continuation_equals_a_fresh_request_over_the_full_context(server):
+    """Below the budget nothing is evicted, so resuming the chain must give exactly the tokens
+    of a new request over the whole context (same KV, same positions)."""
+    p1 = ids(20, 3)
+    _, o1 = gen(server, p1, 5)
+    p2 = p1 + o1["output_ids"] + ids(15, 4)
+    _, resumed = gen(server, p2, 8, o1["meta_info"]["chain_id"])
+    _, fresh = gen(server, p2, 8)
+    assert resumed["meta_info"]["reused_tokens"] == 24 and fresh["meta_info"]["reused_tokens"] == 0
+    assert resumed["output_ids"] == fresh["output_ids"]
+
+
+def test_errors_have_their_codes_and_leave_other_requests_alone(server):
+    p1 = ids(200, 5)
+    _, o1 = gen(server, p1, 4)
+    cid = o1["meta_info"]["chain_id"]
+    cases = [
+        (ids(50, 6), "chain-nope", 404, "unknown chain 'chain-nope'"),
+        ([7] + p1 + o1["output_ids"], cid, 409, "diverges from the chain's processed prefix at token 0"),
+        (p1[:100], cid, 409, "must extend the 203 processed tokens"),
+    ]
+    for prompt, chain_id, code, msg in cases:
+        got, body = gen(server, prompt, 4, chain_id)
+        assert got == code and msg in body["message"], body
+    # busy: a second request on a chain that is running
+    box = {}
+    long = threading.Thread(target=lambda: box.update(r=gen(server, p1 + o1["output_ids"] + ids(10, 7), 300, cid)))
+    long.start()
+    for _ in range(600):
+        if chain(server, cid)["status"] == "active":
+            break
+        threading.Event().wait(0.1)
+    code, body = gen(server, p1 + o1["output_ids"] + ids(12, 8), 4, cid)
+    assert code == 409 and "in use" in body["message"], body
+    long.join()
+    assert box["r"][0] == 200 and box["r"][1]["meta_info"]["completion_tokens"] == 300
+    assert requests.get(server.base_url + "/chain/chain-nope", timeout=60).status_code == 404
+    assert_rows_accounted(server)
+
+
+def test_idle_chains_are_reclaimed_least_recently_used_and_then_answer_410(server):
+    chains = requests.get(server.base_url + "/chain", timeout=60).json()["chains"]
+    idle = sorted((c for c in chains if c["status"] == "idle"), key=lambda c: c["last_use"])
+    assert len(idle) >= 3
+    free = stats(server)["kv_free_slots"]
+    oldest = idle[0]
+    # needs the free slots plus the oldest idle chain's rows: the oldest goes first (SGLang's own
+    # admission margins may take one or two more, in the same order)
+    code, body = gen(server, ids(free + oldest["retained_rows"] - 1, 9), 1, timeout=300)
+    assert code == 200, body
+    after = {c["chain_id"]: c["status"] for c in requests.get(server.base_url + "/chain", timeout=60).json()["chains"]}
+    assert after[oldest["chain_id"]] == "reclaimed"
+    # least recently used first: the reclaimed ones are a prefix of the idle chains by last use
+    went = [after[c["chain_id"]] == "reclaimed" for c in idle]
+    assert went == sorted(went, reverse=True) and not all(went)
+    code, body = gen(server, ids(10, 10), 1, oldest["chain_id"])
+    assert code == 410 and "reclaimed" in body["message"], body
+    assert_rows_accounted(server)
