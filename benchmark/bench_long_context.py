@@ -59,7 +59,8 @@ def variant(name: str, budget: int) -> tuple[str, list[str]]:
         # same page size so all three share the allocator and kernels. SnapKV needs page size 1.
         "plain": ["--page-size", "16"], "dense": ["--page-size", "16"],
         "quest": ["--sparse-method", "quest", "--sparse-token-budget", str(budget)],
-        "snapkv": ["--sparse-method", "snapkv", "--sparse-budget", str(budget)],
+        # no Chain Cache: requests here are independent (a parked chain would hold pool rows)
+        "snapkv": ["--sparse-method", "snapkv", "--sparse-budget", str(budget), "--chain-cache", "off"],
     }[name]
     return ("sglang.launch_server" if name == "plain" else "sglang_sparse.launch_server"), flags
 

@@ -37,7 +37,7 @@ from sglang_sparse.server_process import ServerProcess
 METHODS = {
     "dense": [],
     "quest": ["--sparse-method", "quest", "--sparse-token-budget", "256"],
-    "snapkv": ["--sparse-method", "snapkv", "--sparse-budget", "256"],
+    "snapkv": ["--sparse-method", "snapkv", "--sparse-budget", "256", "--chain-cache", "off"],
 }
 
 

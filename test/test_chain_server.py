@@ -44,10 +44,14 @@ def ids(n, seed):
 
 
 def assert_rows_accounted(server):
-    """Nothing running: every slot is free or held by an idle chain."""
+    """Nothing running: every slot is free or held by an idle chain, and the slot census (the
+    allocator's free list against every chain's and request's rows) finds no slot owned twice
+    or lost."""
     s = stats(server)
     assert s["running_requests"] == 0
     assert s["kv_free_slots"] + s["chain_idle_rows"] == s["kv_total_slots"]
+    integrity = requests.get(server.base_url + "/chain", timeout=60).json()["integrity"]
+    assert integrity["ok"], integrity
 
 
 def test_continuation_prefills_only_the_suffix_over_compacted_kv(server):
@@ -135,4 +139,57 @@ def test_idle_chains_are_reclaimed_least_recently_used_and_then_answer_410(serve
     assert went == sorted(went, reverse=True) and not all(went)
     code, body = gen(server, ids(10, 10), 1, oldest["chain_id"])
     assert code == 410 and "reclaimed" in body["message"], body
+    assert_rows_accounted(server)
+
+
+def test_sglang_sessions_are_chains(server):
+    """SGLang's own session API: each turn of a session resumes the session's chain."""
+    url = server.base_url
+    sid = requests.post(url + "/open_session", json={"capacity_of_str_len": 100000}, timeout=60).json()
+    sp = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+    r1 = requests.post(url + "/generate", timeout=600, json={
+        "input_ids": ids(200, 14), "session_params": {"id": sid}, "sampling_params": sp}).json()
+    m1 = r1["meta_info"]
+    assert (m1["chain_id"], m1["chain_status"]) == (f"session-{sid}", "created")
+    r2 = requests.post(url + "/generate", timeout=600, json={
+        "input_ids": ids(20, 15), "session_params": {"id": sid, "rid": m1["id"]}, "sampling_params": sp}).json()
+    m2 = r2["meta_info"]
+    assert (m2["chain_id"], m2["chain_status"], m2["reused_tokens"]) == (f"session-{sid}", "resumed", 203)
+    assert m2["cached_tokens"] == 203 and m2["prompt_tokens"] == 224  # 200 + 4 + 20 sent, 21 prefilled
+    assert requests.post(url + "/close_session", json={"session_id": sid}, timeout=60).status_code == 200
+    assert requests.get(f"{url}/chain/session-{sid}", timeout=60).status_code == 404
+    assert_rows_accounted(server)
+
+
+def test_delete_frees_an_idle_chain_and_refuses_busy_or_unknown_ones(server):
+    _, o1 = gen(server, ids(150, 11), 3)
+    cid = o1["meta_info"]["chain_id"]
+    free = stats(server)["kv_free_slots"]
+    rows = chain(server, cid)["retained_rows"]
+    resp = requests.delete(f"{server.base_url}/chain/{cid}", timeout=60)
+    assert resp.status_code == 200 and resp.json()["freed_rows"] == rows
+    assert stats(server)["kv_free_slots"] == free + rows
+    assert requests.get(f"{server.base_url}/chain/{cid}", timeout=60).status_code == 404
+    resp = requests.delete(f"{server.base_url}/chain/{cid}", timeout=60)
+    assert resp.status_code == 404 and "unknown chain" in resp.json()["message"]
+    # a running chain cannot be deleted
+    _, o2 = gen(server, ids(100, 12), 2)
+    cid2 = o2["meta_info"]["chain_id"]
+    box = {}
+    t = threading.Thread(target=lambda: box.update(r=gen(server, ids(100, 12) + o2["output_ids"][:1] + ids(5, 13),
+                                                          200, cid2)))
+    t.start()
+    for _ in range(600):
+        if chain(server, cid2)["status"] == "active":
+            break
+        threading.Event().wait(0.1)
+    resp = requests.delete(f"{server.base_url}/chain/{cid2}", timeout=60)
+    assert resp.status_code == 409 and "in use" in resp.json()["message"]
+    t.join()
+    assert box["r"][0] == 200
+    # deleting every chain gives the whole pool back
+    for c in requests.get(server.base_url + "/chain", timeout=60).json()["chains"]:
+        requests.delete(f"{server.base_url}/chain/{c['chain_id']}", timeout=60)
+    s = stats(server)
+    assert s["kv_free_slots"] == s["kv_total_slots"] and s["chain_idle_rows"] == 0
     assert_rows_accounted(server)

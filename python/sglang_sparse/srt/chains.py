@@ -22,8 +22,10 @@ Life of a chain's KV (``core.chain_index`` holds the records):
   the request owned them while it ran); idle chains are reclaimed least recently used when a
   waiting request does not fit (``reclaim_for``).
 
-Not yet: admin routes (``/chain``), SGLang sessions and OpenAI ``usage`` mapping, chains for
-full-KV methods (they reuse prefixes through the radix cache).
+Admin: ``GET /chain`` (with ``check_integrity``), ``GET /chain/{id}``, ``DELETE /chain/{id}``
+(``srt/status.py``; deletion rides SGLang's dumper-control round trip). SGLang sessions
+(``/open_session``, ``session_params``) are chains named ``session-<id>``. Not yet: OpenAI
+``usage`` fields, chains for full-KV methods (they reuse prefixes through the radix cache).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ CREATE_TARGET = "sglang.srt.managers.scheduler.Scheduler._create_generation_req"
 CACHE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
 EXTEND_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
 META_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.update_request_meta_info"
+CONTROL_TARGET = "sglang.srt.managers.scheduler.Scheduler.handle_dumper_control"
+CLOSE_SESSION_TARGET = "sglang.srt.managers.scheduler.Scheduler.close_session"
 INFO_KEY = "sglang_sparse_chain"
 
 
@@ -93,8 +97,11 @@ def after_create_req(req, scheduler, recv_req, *args, **kwargs):
         return None
     params = req.sampling_params.custom_params
     chain_id = params.get("chain_id") if isinstance(params, dict) else None
+    session = getattr(req, "session", None)
     try:
-        if chain_id is None:
+        if chain_id is None and session is not None:
+            req.sparse_chain = _session_chain(idx, session, req)
+        elif chain_id is None:
             req.sparse_chain = ReqChain(idx.start(state.chain_fingerprint).chain_id, "created", 0)
         else:
             rec = idx.resume(str(chain_id), state.chain_fingerprint, list(req.origin_input_ids))
@@ -105,6 +112,42 @@ def after_create_req(req, scheduler, recv_req, *args, **kwargs):
     ch = req.sparse_chain
     info = {"chain_id": ch.chain_id, "chain_status": ch.status, "reused_tokens": ch.reused}
     req.customized_info = {**(req.customized_info or {}), INFO_KEY: [info]}
+    return None
+
+
+def session_chain_id(session_id: str) -> str:
+    return f"session-{session_id}"
+
+
+def _session_chain(idx: ChainCacheIndex, session, req) -> ReqChain:
+    """An SGLang session is a chain named after it. SGLang builds a session request as the
+    previous prompt + output + new input, which extends the chain; when it does not (``offset``,
+    ``replace``, ``drop_previous_output``) the session's chain starts over, as a plain session
+    would re-prefill."""
+    cid = session_chain_id(session.session_id)
+    rec = idx.chains.get(cid)
+    if rec is not None and rec.status is ChainStatus.IDLE:
+        try:
+            rec = idx.resume(cid, state.chain_fingerprint, list(req.origin_input_ids))
+            return ReqChain(cid, "resumed", rec.boundary, rec.payload)
+        except ChainError:
+            pass
+    if rec is not None and rec.status is ChainStatus.ACTIVE:
+        idx.resume(cid, state.chain_fingerprint, list(req.origin_input_ids))  # raises busy (409)
+    if rec is not None:
+        idx.delete(cid)
+    return ReqChain(idx.start(state.chain_fingerprint, chain_id=cid).chain_id, "created", 0)
+
+
+def after_close_session(result, scheduler, recv_req, *args, **kwargs):
+    """Closing a session drops its chain (an active one is invalidated: its request frees its rows)."""
+    cid = session_chain_id(recv_req.session_id)
+    if state.chains is None or cid not in state.chains.chains:
+        return None
+    if state.chains.chains[cid].status is ChainStatus.ACTIVE:
+        state.chains.invalidate(cid, "its session was closed")
+    else:
+        state.chains.delete(cid)
     return None
 
 
@@ -230,6 +273,66 @@ def reclaim_for(scheduler, running_batch=None) -> None:
     scheduler._sparse_refused_head = req.rid
 
 
+# -- integrity and admin ----------------------------------------------------------------------------
+def check_integrity(scheduler) -> dict:
+    """Walk the allocator, the running requests and the idle chains: every KV slot of the pool
+    must have exactly one owner (free list, a request's rows ``[0, kv_allocated_len)``, an idle
+    chain's rows ``[0, P)``). Valid with the radix cache off (chains run only then)."""
+    import torch
+
+    alloc = scheduler.token_to_kv_pool_allocator
+    table = scheduler.req_to_token_pool.req_to_token
+    owned = []
+    reqs = list(scheduler.running_batch.reqs) + ([scheduler.chunked_req] if scheduler.chunked_req else [])
+    kvs = [r.kv for r in reqs if r.kv.holds_kv]
+    if state.chains is not None:
+        kvs += [rec.payload.kv for rec in state.chains.chains.values()
+                if rec.status is ChainStatus.IDLE and rec.payload is not None]
+    for kv in kvs:
+        owned.append(table[kv.req_pool_idx, : kv.kv_allocated_len].to(torch.int64).cpu())
+    page = alloc.page_size
+    free_pages = alloc.get_all_free_pages().to(torch.int64).cpu()
+    free = (free_pages.view(-1, 1) * page + torch.arange(page)).flatten()
+    total = int(scheduler.max_total_num_tokens)
+    counts = torch.bincount(torch.cat(owned + [free]), minlength=total + page)[1 : total + 1]  # slot 0: padding
+    twice, lost = int((counts > 1).sum()), int((counts == 0).sum())
+    return {"ok": twice == 0 and lost == 0, "owned_twice": twice, "lost": lost,
+            "free": int(free.numel()), "owned": int(sum(o.numel() for o in owned))}
+
+
+CONTROL_PREFIX = "sglang_sparse/"
+
+
+def around_dumper_control(original, scheduler, recv_req, *args, **kwargs):
+    """Admin mutations ride SGLang's dumper-control round trip (a request type every process
+    already knows); only methods named ``sglang_sparse/...`` are taken."""
+    method = getattr(recv_req, "method", "")
+    if not method.startswith(CONTROL_PREFIX):
+        return original(scheduler, recv_req, *args, **kwargs)
+    from sglang.srt.managers.io_struct import DumperControlReqOutput
+
+    try:
+        result = _control(method[len(CONTROL_PREFIX):], recv_req.body or {})
+        out = DumperControlReqOutput(success=True, response=[result])
+    except ChainError as err:
+        out = DumperControlReqOutput(success=True, response=[{"status": err.status, "message": err.message}])
+    except Exception as err:  # reported to the caller; the scheduler goes on
+        out = DumperControlReqOutput(success=False, response=[], error=repr(err))
+    scheduler.ipc_channels.send_to_tokenizer.send_output(out, recv_req)
+    return None
+
+
+def _control(op: str, body: dict) -> dict:
+    if state.chains is None:
+        raise ChainError("chain cache is off")
+    if op == "chain_delete":
+        rec = state.chains.get(str(body.get("chain_id")))
+        rows = rec.rows
+        state.chains.delete(rec.chain_id)
+        return {"status": 200, "deleted": rec.chain_id, "freed_rows": rows}
+    raise ChainError(f"unknown control operation {op!r}")
+
+
 # -- response --------------------------------------------------------------------------------------
 def around_update_meta_info(original, manager, meta_info, state_, customized_info, index, *args, **kwargs):
     out = original(manager, meta_info, state_, customized_info, index, *args, **kwargs)
@@ -247,8 +350,10 @@ def register_scheduler() -> list[str]:
     HookRegistry.register(f"{CACHE}.claim_kv_row", around_claim_kv_row, HookType.AROUND)
     HookRegistry.register(f"{CACHE}.session_records", around_session_records, HookType.AROUND)
     HookRegistry.register(EXTEND_TARGET, after_prepare_for_extend, HookType.AFTER)
+    HookRegistry.register(CONTROL_TARGET, around_dumper_control, HookType.AROUND)
+    HookRegistry.register(CLOSE_SESSION_TARGET, after_close_session, HookType.AFTER)
     return ["hook:chain-arrival", "hook:chain-match", "hook:chain-park", "hook:chain-records",
-            "hook:chain-extend-rows"]
+            "hook:chain-extend-rows", "hook:chain-control", "hook:chain-sessions"]
 
 
 def register_main() -> list[str]:

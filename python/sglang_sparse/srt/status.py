@@ -75,7 +75,10 @@ def _add_scheduler_record(result, controller, *args, **kwargs):
     from sglang_sparse.srt import state
 
     if state.chains is not None:
+        from sglang_sparse.srt import chains
+
         record["chains"] = [rec.describe() for rec in state.chains.chains.values()]
+        record["chain_integrity"] = chains.check_integrity(controller.scheduler)
     result.internal_state["sglang_sparse"] = record
     return result
 
@@ -107,26 +110,46 @@ async def sparse_stats():
     return {**(per_rank[0] or {}), "per_rank": per_rank}
 
 
-async def _chain_records() -> list[dict]:
+async def _chain_state() -> dict:
     from sglang.srt.entrypoints.http_server import get_global_state
 
     states = await get_global_state().tokenizer_manager.get_internal_state()
-    return (states[0].get("sglang_sparse") or {}).get("chains") or []
+    return states[0].get("sglang_sparse") or {}
 
 
 async def list_chains():
-    """GET /chain: every chain of scheduler 0 (status, processed tokens, retained rows, last use)."""
-    return {"chains": await _chain_records()}
+    """GET /chain: every chain of scheduler 0 (status, processed tokens, retained rows, last use)
+    and the slot census (``integrity``: no KV slot owned twice or lost)."""
+    record = await _chain_state()
+    return {"chains": record.get("chains") or [], "integrity": record.get("chain_integrity")}
 
 
 async def get_chain(chain_id: str):
     """GET /chain/{chain_id}: one chain, 404 if unknown."""
     from fastapi import HTTPException
 
-    for rec in await _chain_records():
+    for rec in (await _chain_state()).get("chains") or []:
         if rec["chain_id"] == chain_id:
             return rec
     raise HTTPException(status_code=404, detail=f"unknown chain {chain_id!r}")
+
+
+async def delete_chain(chain_id: str):
+    """DELETE /chain/{chain_id}: drop a chain no request is using and free its rows."""
+    from fastapi import HTTPException
+    from sglang.srt.entrypoints.http_server import get_global_state
+    from sglang.srt.managers.io_struct import DumperControlReqInput
+
+    tm = get_global_state().tokenizer_manager
+    outs = await tm.dumper_control(DumperControlReqInput(method="sglang_sparse/chain_delete",
+                                                         body={"chain_id": chain_id}))
+    out = outs[0]
+    if not out.success or not out.response:
+        raise HTTPException(status_code=500, detail=f"chain deletion failed: {out.error}")
+    result = out.response[0]
+    if result.get("status") != 200:
+        raise HTTPException(status_code=result["status"], detail=result["message"])
+    return result
 
 
 def register_routes() -> None:
@@ -141,4 +164,5 @@ def register_routes() -> None:
     if activation.load_config().get("chain_cache"):
         app.add_api_route("/chain", list_chains, methods=["GET"])
         app.add_api_route("/chain/{chain_id}", get_chain, methods=["GET"])
-        REGISTRATIONS.extend(["route:/chain", "route:/chain/{id}"])
+        app.add_api_route("/chain/{chain_id}", delete_chain, methods=["DELETE"])
+        REGISTRATIONS.extend(["route:/chain", "route:/chain/{id}", "route:DELETE /chain/{id}"])
