@@ -34,8 +34,8 @@ KEYS = ("dolores park", "sandwich")
 # name -> sglang_sparse flags; "method@budget"
 CONFIGS = {
     "dense": [],
-    "snapkv@256": ["--sparse-method", "snapkv", "--sparse-budget", "256"],
-    "snapkv@1024": ["--sparse-method", "snapkv", "--sparse-budget", "1024"],
+    "snapkv@256": ["--sparse-method", "snapkv", "--sparse-budget", "256", "--chain-cache", "off"],
+    "snapkv@1024": ["--sparse-method", "snapkv", "--sparse-budget", "1024", "--chain-cache", "off"],
     "quest@256": ["--sparse-method", "quest", "--sparse-token-budget", "256"],
     "quest@1024": ["--sparse-method", "quest", "--sparse-token-budget", "1024"],
 }
