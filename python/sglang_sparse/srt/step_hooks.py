@@ -128,13 +128,15 @@ def before_model_forward(runner, forward_batch=None, *args, **kwargs):
     if state.pos_offset is None or forward_batch is None:
         return None
     mode = forward_batch.forward_mode
-    offset = state.pos_offset[forward_batch.req_pool_indices]
     if mode.is_decode():
-        forward_batch.positions = forward_batch.positions + offset.to(forward_batch.positions.dtype)
+        offset = state.pos_offset[forward_batch.req_pool_indices]
     elif mode.is_extend() and state.chains is not None and forward_batch.extend_seq_lens is not None:
         # A request resuming a chain prefills its suffix after evicted tokens (chains.py).
-        per_token = offset.repeat_interleave(forward_batch.extend_seq_lens.to(offset.device))
-        forward_batch.positions = forward_batch.positions + per_token.to(forward_batch.positions.dtype)
+        offset = state.pos_offset[forward_batch.req_pool_indices].repeat_interleave(
+            forward_batch.extend_seq_lens.to(state.pos_offset.device))
+    else:
+        return None
+    forward_batch.positions = forward_batch.positions + offset.to(forward_batch.positions.dtype)
     return None
 
 
