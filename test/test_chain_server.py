@@ -82,6 +82,30 @@ def test_continuation_prefills_only_the_suffix_over_compacted_kv(server):
     assert_rows_accounted(server)
 
 
+def test_top_level_chain_id_and_openai_requests_resume_chains(server):
+    url = server.base_url
+    p1 = ids(120, 16)
+    _, o1 = gen(server, p1, 3)
+    cid = o1["meta_info"]["chain_id"]
+    p2 = p1 + o1["output_ids"] + ids(10, 17)
+    r2 = requests.post(url + "/generate", timeout=600, json={
+        "input_ids": p2, "chain_id": cid, "sampling_params": {"temperature": 0, "max_new_tokens": 3,
+                                                               "ignore_eos": True}}).json()
+    m = r2["meta_info"]
+    assert (m["chain_id"], m["chain_status"], m["reused_tokens"]) == (cid, "resumed", 122)
+    # OpenAI completions over token ids continue the chain too (its fields are not in `usage` yet)
+    p3 = p2 + r2["output_ids"] + ids(6, 18)
+    done = requests.post(url + "/v1/completions", timeout=600, json={
+        "model": "default", "prompt": p3, "max_tokens": 2, "temperature": 0, "chain_id": cid})
+    assert done.status_code == 200, done.text
+    out = done.json()["usage"]["completion_tokens"]
+    assert chain(server, cid)["processed_tokens"] == len(p3) + out - 1
+    bad = requests.post(url + "/v1/completions", timeout=600, json={
+        "model": "default", "prompt": [7] + p3, "max_tokens": 2, "chain_id": cid})
+    assert bad.status_code == 409 and "diverges" in bad.text, bad.text
+    assert_rows_accounted(server)
+
+
 def test_short_continuation_equals_a_fresh_request_over_the_full_context(server):
     """Below the budget nothing is evicted, so resuming the chain must give exactly the tokens
     of a new request over the whole context (same KV, same positions)."""

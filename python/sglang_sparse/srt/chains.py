@@ -1,7 +1,8 @@
 """Chain Cache inside SGLang's scheduler (issue 5, first slice: evicting methods over /generate).
 
-A request names its chain in ``sampling_params.custom_params.chain_id`` (the one per-request
-field SGLang carries to the scheduler); without one it starts a chain. Every response's
+A request names its chain with a top-level ``chain_id`` (``/generate`` and the OpenAI endpoints)
+or ``sampling_params.custom_params.chain_id`` (the one per-request field SGLang carries to the
+scheduler; the top-level form is moved there in the main process); without one it starts a chain. Every response's
 ``meta_info`` gets ``chain_id``, ``chain_status`` (created|resumed) and ``reused_tokens``.
 
 Life of a chain's KV (``core.chain_index`` holds the records):
@@ -356,8 +357,47 @@ def register_scheduler() -> list[str]:
             "hook:chain-extend-rows", "hook:chain-control", "hook:chain-sessions"]
 
 
+# -- a top-level `chain_id` in request bodies (main process) ----------------------------------------
+def _with_chain_id(sampling_params, chain_id):
+    """``sampling_params`` (None, a dict, or one per prompt) with ``custom_params.chain_id`` set."""
+    if isinstance(sampling_params, list):
+        return [_with_chain_id(sp, chain_id) for sp in sampling_params]
+    sp = dict(sampling_params or {})
+    sp["custom_params"] = {**(sp.get("custom_params") or {}), "chain_id": chain_id}
+    return sp
+
+
+async def _body_chain_id(request):
+    try:
+        body = await request.json()  # Starlette caches the parsed body
+    except Exception:
+        return None
+    return body.get("chain_id") if isinstance(body, dict) else None
+
+
+async def around_serve_generate(original, obj, request, *args, **kwargs):
+    """``/generate`` with ``"chain_id": ...`` at the top level: SGLang's request type has no such
+    field, so it is carried in ``sampling_params.custom_params`` like the explicit form."""
+    chain_id = await _body_chain_id(request)
+    if chain_id is not None:
+        obj.sampling_params = _with_chain_id(obj.sampling_params, str(chain_id))
+    return await original(obj, request, *args, **kwargs)
+
+
+async def around_openai_request(original, serving, request, raw_request, *args, **kwargs):
+    """OpenAI chat/completions with ``"chain_id"`` in the body (e.g. ``extra_body``)."""
+    chain_id = await _body_chain_id(raw_request)
+    if chain_id is not None:
+        request.custom_params = {**(request.custom_params or {}), "chain_id": str(chain_id)}
+    return await original(serving, request, raw_request, *args, **kwargs)
+
+
 def register_main() -> list[str]:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(META_TARGET, around_update_meta_info, HookType.AROUND)
-    return ["hook:chain-meta-info"]
+    HookRegistry.register("sglang.srt.entrypoints.http_server.serve_generate_request", around_serve_generate,
+                          HookType.AROUND)
+    HookRegistry.register("sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request",
+                          around_openai_request, HookType.AROUND)
+    return ["hook:chain-meta-info", "hook:chain-id-generate", "hook:chain-id-openai"]
