@@ -109,6 +109,9 @@ def test_sparse_config_sets_or_checks_the_engine_page_size():
     assert argv[argv.index("--page-size") + 1] == "32"  # Quest summarises physical pages
     with pytest.raises(ConfigError, match="quest needs --page-size 16 .*got --page-size 8"):
         sparse_config(["--device", "cpu", "--sparse-method", "quest", "--page-size", "8"], log=lambda m: None)
+    with pytest.raises(ConfigError, match="cannot run with --enable-streaming-session"):
+        sparse_config(["--device", "cpu", "--sparse-method", "snapkv", "--enable-streaming-session"],
+                      log=lambda m: None)
     with pytest.raises(ConfigError, match="snapkv releases single KV slots and needs --page-size 1"):
         sparse_config(["--device", "cpu", "--sparse-method", "snapkv", "--page-size", "16"], log=lambda m: None)
     _, argv = sparse_config(["--device", "cpu", "--sparse-method", "dense"], log=lambda m: None)

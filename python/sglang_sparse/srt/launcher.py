@@ -130,6 +130,10 @@ def sparse_config(argv: list[str], log=logger.info) -> tuple[dict, list[str]]:
         # srt/step_hooks.py): no overlap scheduler, no mixed chunks, no radix insertion.
         if "--enable-mixed-chunk" in argv:
             raise ConfigError(f"--sparse-method {config['method']} evicts KV and cannot run with --enable-mixed-chunk")
+        if "--enable-streaming-session" in argv:
+            # A streaming session would lend retained rows as if they were logical tokens.
+            raise ConfigError(f"--sparse-method {config['method']} evicts KV and cannot run with "
+                              "--enable-streaming-session; plain sessions resume through Chain Cache")
         for flag in ("--disable-radix-cache", "--disable-overlap-schedule"):
             if flag not in argv:
                 argv.append(flag)
