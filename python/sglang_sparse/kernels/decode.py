@@ -58,20 +58,13 @@ def decode_over_views(q, k_cache, v_cache, req_to_token, req_rows: list[int], ro
 
 def decode_over_pages(q, k_cache, v_cache, table, req_rows, page_ids, n_rows, page: int, scale: float):
     """q ``[B, Hq, D]``; page_ids ``[B, Hq, P]`` row-pages (``-1`` padding); rows ``>= n_rows[b]``
-    masked. No host sync on either path (CUDA graphs capture it)."""
-    if use_kernel_package(q):
+    masked. The kernel package dispatches itself (Triton on CUDA, no host sync, so CUDA graphs
+    capture it; its plain-torch reference elsewhere); without it, pages become rows for
+    ``decode_over_views``."""
+    if sgl_kernel_sparse is not None:
         return sgl_kernel_sparse.paged_sparse_decode_attention(
             q, k_cache, v_cache, table, req_rows.long(), page_ids, n_rows, page, scale)
-    j = torch.arange(page, device=q.device)
-    rows = (page_ids.clamp(min=0).unsqueeze(-1) * page + j).flatten(2)  # [B, Hq, P*page]
-    valid = ((page_ids >= 0).unsqueeze(-1) & torch.ones_like(j, dtype=torch.bool)).flatten(2)
-    valid = valid & (rows < n_rows.view(-1, 1, 1))
-    rows = torch.where(valid, rows, 0)
-    slots = table[req_rows.long()].long().gather(1, rows.flatten(1)).view(rows.shape)
-    kv_head = (torch.arange(q.shape[1], device=q.device) // (q.shape[1] // k_cache.shape[1])).view(1, -1, 1)
-    out = torch.stack([
-        reference.gathered_decode_attention(q[i], k_cache[slots[i], kv_head[0]], v_cache[slots[i], kv_head[0]],
-                                            valid[i], scale)
-        for i in range(q.shape[0])
-    ])
-    return out.to(q.dtype)
+    rows = (page_ids.clamp(min=0).unsqueeze(-1) * page + torch.arange(page, device=q.device)).flatten(2)
+    valid = (page_ids >= 0).repeat_interleave(page, dim=-1) & (rows < n_rows.view(-1, 1, 1))
+    return decode_over_views(q, k_cache, v_cache, table, req_rows.tolist(), list(rows), list(valid),
+                             n_rows.tolist(), scale)

@@ -46,8 +46,8 @@ def page_scores(q, kmin, kmax, table, req_rows, n_rows, page: int) -> torch.Tens
     P]`` with ``P = ceil(max_len / page)``; pages ``>= ceil(n_rows / page)`` are ``-inf``. Uses
     ``max(q*M, q*m) = relu(q)*M + min(q,0)*m`` (M >= m), i.e. two batched matmuls; on CUDA one
     sgl-kernel-sparse Triton launch reads each page's summary once through the table."""
+    n_pages = (n_rows.long() + page - 1) // page
     if sgl_kernel_sparse is not None and q.is_cuda:
-        n_pages = (n_rows.long() + page - 1) // page
         return sgl_kernel_sparse.quest_page_scores_paged(q, kmin, kmax, table, req_rows.long(), n_pages, page)
     b, hq, d = q.shape
     hkv = kmin.shape[1]
@@ -57,7 +57,6 @@ def page_scores(q, kmin, kmax, table, req_rows, n_rows, page: int) -> torch.Tens
     mn = kmin[pid].permute(0, 2, 3, 1)
     qg = q.to(kmin.dtype).view(b, hkv, hq // hkv, d)
     scores = (qg.clamp(min=0) @ mx + qg.clamp(max=0) @ mn).float().reshape(b, hq, -1)
-    n_pages = (n_rows.long() + page - 1) // page
     beyond = torch.arange(scores.shape[-1], device=q.device).view(1, 1, -1) >= n_pages.view(-1, 1, 1)
     return scores.masked_fill(beyond, float("-inf"))
 

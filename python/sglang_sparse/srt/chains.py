@@ -35,7 +35,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_sparse.core.chain_index import ChainCacheIndex, ChainError, ChainStatus, fingerprint
+from sglang_sparse.core.chain_index import ChainBusy, ChainCacheIndex, ChainError, ChainStatus, fingerprint
 from sglang_sparse.core.retained import RetainedMap
 from sglang_sparse.srt import state
 
@@ -134,7 +134,7 @@ def _session_chain(idx: ChainCacheIndex, session, req) -> ReqChain:
         except ChainError:
             pass
     if rec is not None and rec.status is ChainStatus.ACTIVE:
-        idx.resume(cid, state.chain_fingerprint, list(req.origin_input_ids))  # raises busy (409)
+        raise ChainBusy(f"chain {cid} is in use by another request of the session")
     if rec is not None:
         idx.delete(cid)
     return ReqChain(idx.start(state.chain_fingerprint, chain_id=cid).chain_id, "created", 0)
