@@ -4,6 +4,7 @@ alone, idle chains are reclaimed least recently used, and every KV row is accoun
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -93,13 +94,24 @@ def test_top_level_chain_id_and_openai_requests_resume_chains(server):
                                                                "ignore_eos": True}}).json()
     m = r2["meta_info"]
     assert (m["chain_id"], m["chain_status"], m["reused_tokens"]) == (cid, "resumed", 122)
-    # OpenAI completions over token ids continue the chain too (its fields are not in `usage` yet)
+    # OpenAI completions over token ids continue the chain too; `usage` carries the chain fields
     p3 = p2 + r2["output_ids"] + ids(6, 18)
     done = requests.post(url + "/v1/completions", timeout=600, json={
         "model": "default", "prompt": p3, "max_tokens": 2, "temperature": 0, "chain_id": cid})
     assert done.status_code == 200, done.text
-    out = done.json()["usage"]["completion_tokens"]
-    assert chain(server, cid)["processed_tokens"] == len(p3) + out - 1
+    usage = done.json()["usage"]
+    boundary = len(p2) + len(r2["output_ids"]) - 1
+    assert (usage["chain_id"], usage["chain_status"], usage["reused_tokens"]) == (cid, "resumed", boundary)
+    assert chain(server, cid)["processed_tokens"] == len(p3) + usage["completion_tokens"] - 1
+    # streamed: the final usage chunk carries them as well
+    p4 = list(p3) + ids(4, 19)  # the completion tokens were not returned as ids: start a new chain
+    lines = requests.post(url + "/v1/completions", timeout=600, stream=True, json={
+        "model": "default", "prompt": p4, "max_tokens": 2, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True}}).iter_lines()
+    chunks = [json.loads(x[6:]) for x in lines if x.startswith(b"data: {")]
+    streamed = [c["usage"] for c in chunks if c.get("usage")][-1]
+    assert streamed["chain_status"] == "created" and streamed["chain_id"].startswith("chain-")
+    assert streamed["reused_tokens"] == 0
     bad = requests.post(url + "/v1/completions", timeout=600, json={
         "model": "default", "prompt": [7] + p3, "max_tokens": 2, "chain_id": cid})
     assert bad.status_code == 409 and "diverges" in bad.text, bad.text

@@ -31,6 +31,7 @@ Admin: ``GET /chain`` (with ``check_integrity``), ``GET /chain/{id}``, ``DELETE 
 
 from __future__ import annotations
 
+import contextvars
 import copy
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,17 @@ class Parked:
 
 
 @dataclass
+class Pinned:
+    """A full-KV chain's payload (radix tree on): a lock on the tree path that holds the chain's
+    processed prefix, so the prefix is not evicted while the chain is idle. A continuation then
+    matches through the tree like any request."""
+
+    cache: Any
+    node: Any
+    retained: int
+
+
+@dataclass
 class ReqChain:
     """What a request knows of its chain (``req.sparse_chain``)."""
 
@@ -79,7 +91,10 @@ def setup(model_runner, config: dict) -> None:
     state.chain_fingerprint = fingerprint(str(model), config.get("method", "dense"), config.get("options") or {})
 
 
-def _free_payload(store, payload: Parked) -> None:
+def _free_payload(store, payload) -> None:
+    if isinstance(payload, Pinned):
+        payload.cache.tree.unlock(payload.node)
+        return
     kv = payload.kv
     if kv.req_pool_idx is None:
         return
@@ -153,11 +168,13 @@ def after_close_session(result, scheduler, recv_req, *args, **kwargs):
 
 
 # -- prefix match: lend the parked rows ------------------------------------------------------------
-def around_match_prefix(original, cache, params, *args, **kwargs):
+def lend_match(params):
+    """Called first by ``SparseRadixCache.match_prefix``: a resumed chain with parked rows gets
+    them lent (a MatchResult of N logical tokens on a virtual node); anything else -> None."""
     req = getattr(params, "req", None)
     ch = getattr(req, "sparse_chain", None)
-    if ch is None or ch.lent is None or ch.fixed:
-        return original(cache, params, *args, **kwargs)
+    if ch is None or not isinstance(ch.lent, Parked) or ch.fixed:
+        return None
     from sglang.srt.mem_cache.base_prefix_cache import MatchResult
     from sglang.srt.session.streaming_session import _VirtualNode
 
@@ -176,9 +193,11 @@ def after_prepare_for_extend(result, batch, *args, **kwargs):
     offsets = []
     for req in batch.reqs:
         ch = getattr(req, "sparse_chain", None)
-        if ch is not None and ch.lent is not None and not ch.fixed:
+        if ch is not None and isinstance(ch.lent, Parked) and not ch.fixed:
             ch.fixed = True
             req.sparse_offset = ch.reused - ch.lent.retained.n_rows
+        elif getattr(req, "sparse_gap", 0) and not getattr(req, "sparse_offset", 0):
+            req.sparse_offset = req.sparse_gap  # matched a pruned radix path (srt/radix.py)
         offsets.append(getattr(req, "sparse_offset", 0))
     if not any(offsets):
         return None
@@ -204,7 +223,7 @@ def after_prepare_for_extend(result, batch, *args, **kwargs):
 def resumed_state(req):
     """(retained map, metadata) a request resumes with, or None (see step_hooks.around_forward)."""
     ch = getattr(req, "sparse_chain", None)
-    if ch is None or ch.lent is None:
+    if ch is None or not isinstance(ch.lent, Parked):
         return None
     return copy.deepcopy(ch.lent.retained), ch.lent.metadata
 
@@ -228,10 +247,36 @@ def before_release(req) -> None:
         idx.invalidate(ch.chain_id, "aborted" if req.finished() else "preempted")
 
 
-def around_claim_kv_row(original, cache, req, *args, **kwargs):
+def before_release_aborted(scheduler, req, *args, **kwargs):
+    """A request aborted before it ran (cancelled in the waiting queue, refused at arrival):
+    its chain must not stay ACTIVE. If admission already lent it the parked rows, they are the
+    request's and are freed here (SGLang frees KV only for requests that ran); otherwise the
+    chain's payload is still in the index and goes with the invalidation."""
+    ch, idx = getattr(req, "sparse_chain", None), state.chains
+    if ch is None or idx is None:
+        return None
+    rec = idx.chains.get(ch.chain_id)
+    if rec is None or rec.status is not ChainStatus.ACTIVE:
+        return None
+    running = req is getattr(scheduler, "chunked_req", None) or req in scheduler.running_batch.reqs
+    if running:
+        return None  # SGLang releases its KV next; before_release invalidates the chain
+    if req.kv.holds_kv:
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        release_kv_cache(req, scheduler.tree_cache, checkpoint=False)  # runs before_release
+    idx.invalidate(ch.chain_id, "cancelled before it ran")
+    return None
+
+
+def park_row(cache, req) -> bool:
+    """``SparseRadixCache.claim_kv_row``: keep a finished chain request's rows (radix tree off),
+    or pin its radix path once SGLang has inserted it (tree on, see ``pin_path``)."""
     park = getattr(req, "sparse_park", None)
     if park is None:
-        return original(cache, req, *args, **kwargs)
+        return False
+    if cache.tree_on:
+        return False  # SGLang inserts the KV into the tree; on_release pins the path
     req.sparse_park = None
     rows, store = park.retained.n_rows, state.controller.cache.store
     row, allocated = req.kv.req_pool_idx, req.kv.kv_allocated_len
@@ -244,11 +289,26 @@ def around_claim_kv_row(original, cache, req, *args, **kwargs):
     return True
 
 
-def around_session_records(original, cache, *args, **kwargs):
-    records = dict(original(cache, *args, **kwargs))
+def pin_path(cache, req) -> None:
+    """``SparseRadixCache.on_release`` (tree on): the finished chain request's KV is in the tree
+    now, ending at ``req.last_node``; pin that path as the chain's payload."""
+    park = getattr(req, "sparse_park", None)
+    req.sparse_park = None
+    if park is None or state.chains is None:
+        return
+    node = req.last_node
+    cache.tree.lock(node)
+    retained = int(cache.tree.path_slots(node)[0].numel())
+    tokens = (list(req.origin_input_ids) + list(req.output_ids))[: park.retained.logical_len]
+    state.chains.park(req.sparse_chain.chain_id, tokens, Pinned(cache, node, retained), retained)
+
+
+def parked_records() -> dict:
+    """Parked rows, reported to SGLang's leak checks as session-held (``session_records``)."""
+    records = {}
     if state.chains is not None:
         for rec in state.chains.chains.values():
-            if rec.status is ChainStatus.IDLE and rec.payload is not None:
+            if rec.status is ChainStatus.IDLE and isinstance(rec.payload, Parked):
                 records[f"{INFO_KEY}:{rec.chain_id}"] = rec.payload.kv
     return records
 
@@ -265,7 +325,8 @@ def reclaim_for(scheduler, running_batch=None) -> None:
     req = scheduler.waiting_queue[0]
     prompt = len(req.origin_input_ids)
     need = prompt + 1 + state.controller.oracle.decode_reserve(prompt, req.sampling_params.max_new_tokens or 0)
-    free = state.controller.cache.store.free_count()
+    # free slots plus unpinned radix-cached slots (SGLang evicts those itself when it allocates)
+    free = state.controller.cache.store.free_count() + int(scheduler.tree_cache.evictable_size())
     if free < need or scheduler.req_to_token_pool.available_size() < 1:
         idx.reclaim(max(need - free, 1))
     elif ((running_batch is None or running_batch.is_empty()) and getattr(scheduler, "chunked_req", None) is None
@@ -276,29 +337,37 @@ def reclaim_for(scheduler, running_batch=None) -> None:
 
 # -- integrity and admin ----------------------------------------------------------------------------
 def check_integrity(scheduler) -> dict:
-    """Walk the allocator, the running requests and the idle chains: every KV slot of the pool
-    must have exactly one owner (free list, a request's rows ``[0, kv_allocated_len)``, an idle
-    chain's rows ``[0, P)``). Valid with the radix cache off (chains run only then)."""
+    """Walk the allocator, the radix tree, the running requests and the idle chains: every KV
+    slot of the pool must have exactly one owner: the free list, a tree node (its retained
+    slots), a request's own rows ``[cache_protected_len, kv_allocated_len)`` (rows before
+    ``cache_protected_len`` are tree slots), or an idle chain's parked rows."""
     import torch
 
     alloc = scheduler.token_to_kv_pool_allocator
     table = scheduler.req_to_token_pool.req_to_token
-    owned = []
+    owned, problems = [], []
     reqs = list(scheduler.running_batch.reqs) + ([scheduler.chunked_req] if scheduler.chunked_req else [])
-    kvs = [r.kv for r in reqs if r.kv.holds_kv]
+    spans = [(r.kv, r.kv.cache_protected_len) for r in reqs if r.kv.holds_kv]
     if state.chains is not None:
-        kvs += [rec.payload.kv for rec in state.chains.chains.values()
-                if rec.status is ChainStatus.IDLE and rec.payload is not None]
-    for kv in kvs:
-        owned.append(table[kv.req_pool_idx, : kv.kv_allocated_len].to(torch.int64).cpu())
+        spans += [(rec.payload.kv, 0) for rec in state.chains.chains.values()
+                  if rec.status is ChainStatus.IDLE and isinstance(rec.payload, Parked)]
+    for kv, start in spans:
+        owned.append(table[kv.req_pool_idx, start: kv.kv_allocated_len].to(torch.int64).cpu())
+    tree = getattr(scheduler.tree_cache, "tree", None)
+    if tree is not None:
+        try:
+            owned.append(tree.check())
+        except AssertionError as err:
+            problems.append(f"radix tree: {err}")
     page = alloc.page_size
     free_pages = alloc.get_all_free_pages().to(torch.int64).cpu()
     free = (free_pages.view(-1, 1) * page + torch.arange(page)).flatten()
     total = int(scheduler.max_total_num_tokens)
     counts = torch.bincount(torch.cat(owned + [free]), minlength=total + page)[1 : total + 1]  # slot 0: padding
     twice, lost = int((counts > 1).sum()), int((counts == 0).sum())
-    return {"ok": twice == 0 and lost == 0, "owned_twice": twice, "lost": lost,
-            "free": int(free.numel()), "owned": int(sum(o.numel() for o in owned))}
+    return {"ok": twice == 0 and lost == 0 and not problems, "owned_twice": twice, "lost": lost,
+            "free": int(free.numel()), "owned": int(sum(o.numel() for o in owned)), "problems": problems,
+            "tree_retained": tree.total_retained() if tree is not None else 0}
 
 
 CONTROL_PREFIX = "sglang_sparse/"
@@ -347,14 +416,11 @@ def register_scheduler() -> list[str]:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(CREATE_TARGET, after_create_req, HookType.AFTER)
-    HookRegistry.register(f"{CACHE}.match_prefix", around_match_prefix, HookType.AROUND)
-    HookRegistry.register(f"{CACHE}.claim_kv_row", around_claim_kv_row, HookType.AROUND)
-    HookRegistry.register(f"{CACHE}.session_records", around_session_records, HookType.AROUND)
-    HookRegistry.register(EXTEND_TARGET, after_prepare_for_extend, HookType.AFTER)
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler._release_aborted_request",
+                          before_release_aborted, HookType.BEFORE)
     HookRegistry.register(CONTROL_TARGET, around_dumper_control, HookType.AROUND)
     HookRegistry.register(CLOSE_SESSION_TARGET, after_close_session, HookType.AFTER)
-    return ["hook:chain-arrival", "hook:chain-match", "hook:chain-park", "hook:chain-records",
-            "hook:chain-extend-rows", "hook:chain-control", "hook:chain-sessions"]
+    return ["hook:chain-arrival", "hook:chain-cancel-waiting", "hook:chain-control", "hook:chain-sessions"]
 
 
 # -- a top-level `chain_id` in request bodies (main process) ----------------------------------------
@@ -392,6 +458,60 @@ async def around_openai_request(original, serving, request, raw_request, *args, 
     return await original(serving, request, raw_request, *args, **kwargs)
 
 
+# -- OpenAI `usage` (main process) ----------------------------------------------------------------
+CHAIN_FIELDS = ("chain_id", "chain_status", "reused_tokens")
+# The chain fields of the request a streaming handler is serving: set while its generator runs
+# (an async generator runs in the context of the task that iterates it), read when the handler
+# builds the final usage chunk.
+_STREAM_CHAIN = contextvars.ContextVar("sglang_sparse_stream_chain", default=None)
+
+
+def _fields(meta) -> dict:
+    return {k: meta[k] for k in CHAIN_FIELDS if isinstance(meta, dict) and k in meta}
+
+
+def allow_usage_fields() -> None:
+    """Let OpenAI ``usage`` objects carry the chain fields: SGLang's ``UsageInfo`` ignores extra
+    attributes, and the response models embed its schema, so both are rebuilt."""
+    from sglang.srt.entrypoints.openai import protocol
+
+    protocol.UsageInfo.model_config["extra"] = "allow"
+    protocol.UsageInfo.model_rebuild(force=True)
+    for name in ("ChatCompletionResponse", "CompletionResponse", "ChatCompletionStreamResponse",
+                 "CompletionStreamResponse"):
+        getattr(protocol, name).model_rebuild(force=True)
+
+
+def around_generate_request(original, manager, obj, *args, **kwargs):
+    outputs = original(manager, obj, *args, **kwargs)
+
+    async def remember_chain():
+        async for out in outputs:
+            for item in out if isinstance(out, list) else [out]:
+                fields = _fields(item.get("meta_info") if isinstance(item, dict) else None)
+                if fields:
+                    _STREAM_CHAIN.set(fields)
+            yield out
+
+    return remember_chain()
+
+
+def after_response_usage(usage, responses, *args, **kwargs):
+    for r in responses:
+        fields = _fields(r.get("meta_info"))
+        if fields:
+            for k, v in fields.items():
+                setattr(usage, k, v)
+            break
+    return None
+
+
+def after_streaming_usage(usage, *args, **kwargs):
+    for k, v in (_STREAM_CHAIN.get() or {}).items():
+        setattr(usage, k, v)
+    return None
+
+
 def register_main() -> list[str]:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -400,4 +520,10 @@ def register_main() -> list[str]:
                           HookType.AROUND)
     HookRegistry.register("sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request",
                           around_openai_request, HookType.AROUND)
-    return ["hook:chain-meta-info", "hook:chain-id-generate", "hook:chain-id-openai"]
+    usage = "sglang.srt.entrypoints.openai.usage_processor.UsageProcessor"
+    HookRegistry.register(f"{usage}.calculate_response_usage", after_response_usage, HookType.AFTER)
+    HookRegistry.register(f"{usage}.calculate_streaming_usage", after_streaming_usage, HookType.AFTER)
+    HookRegistry.register("sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
+                          around_generate_request, HookType.AROUND)
+    allow_usage_fields()
+    return ["hook:chain-meta-info", "hook:chain-id-generate", "hook:chain-id-openai", "hook:chain-openai-usage"]

@@ -24,9 +24,10 @@ def ensure_controller(model_runner) -> SparseController:
         kv_heads = model_runner.token_to_kv_pool.head_num
         runtime = spec.runtime_cls(CacheManager(store, kv_heads), build_config(method, config.get("options")))
         state.controller = SparseController(runtime)
-        if runtime.evicts_kv:  # only evicting methods shift RoPE positions (see state.pos_offset)
-            rows = model_runner.req_to_token_pool.req_to_token.shape[0]
-            state.pos_offset = torch.zeros(rows, dtype=torch.int64, device=model_runner.device)
+        # RoPE offsets of rows with logical tokens before them that hold no KV (evicted, or pruned
+        # out of a radix path): any method can meet the latter (see state.pos_offset).
+        rows = model_runner.req_to_token_pool.req_to_token.shape[0]
+        state.pos_offset = torch.zeros(rows, dtype=torch.int64, device=model_runner.device)
         from sglang_sparse.srt import chains
 
         chains.setup(model_runner, config)

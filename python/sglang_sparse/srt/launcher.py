@@ -152,6 +152,7 @@ def sparse_config(argv: list[str], log=logger.info) -> tuple[dict, list[str]]:
             argv += ["--attention-backend", backend]
             log(f"sglang_sparse: {config['method']} runs on the {backend} attention backend; added --attention-backend {backend}")
     argv = _page_size(config, runtime, argv, given, log)
+    argv = _radix_backend(config, argv, log)
     if _serves_on_gpu(given) and not given.disable_cuda_graph:
         if runtime.decode_needs_python():
             # Per-layer Python hooks between kernels: a captured graph would replay the first
@@ -178,14 +179,40 @@ def _chain_cache(method: str, runtime, argv: list[str], log) -> tuple[bool, list
     choice = known.chain_cache
     if choice not in CHAIN_CACHE_CHOICES:
         raise ConfigError(f"--chain-cache {choice} is not one of {', '.join(CHAIN_CACHE_CHOICES)}")
-    if choice == "on" and not runtime.evicts_kv:
-        raise ConfigError(f"--chain-cache on needs a method that evicts KV; {method} keeps every token's "
-                          "KV and reuses prefixes through the radix cache")
     on = choice == "on" or (choice == "auto" and runtime.evicts_kv)
     if on:
-        log(f"sglang_sparse: chain cache on for {method} (pass sampling_params.custom_params.chain_id "
-            "to continue a chain)")
+        how = ("parks retained rows" if runtime.evicts_kv else
+               "pins each chain's prefix in the radix cache")
+        log(f"sglang_sparse: chain cache on for {method}: {how} (pass chain_id to continue a chain)")
     return on, rest
+
+
+RADIX_BACKEND = "sglang_sparse"
+# SGLang features that build their own prefix cache (our backend replaces SGLang's tree).
+_OWN_TREE_FLAGS = ("--enable-hierarchical-cache", "--enable-streaming-session", "--enable-lmcache",
+                   "--enable-flexkv", "--enable-unified-cache-external-linker")
+
+
+def _radix_backend(config: dict, argv: list[str], log) -> list[str]:
+    """Select the logical-prefix radix cache (``srt/radix.py``) unless the user chose another
+    prefix cache; Chain Cache and /prune need it."""
+    given = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    given.add_argument("--radix-cache-backend")
+    backend = given.parse_known_args(argv)[0].radix_cache_backend
+    own = [f for f in _OWN_TREE_FLAGS if f in argv]
+    if backend not in (None, RADIX_BACKEND) or own:
+        if config["chain_cache"]:
+            what = f"--radix-cache-backend {backend}" if backend not in (None, RADIX_BACKEND) else own[0]
+            raise ConfigError(f"--chain-cache needs sglang_sparse's radix cache, which {what} replaces; "
+                              "drop it or pass --chain-cache off")
+        config["radix_tree"] = False
+        return argv
+    config["radix_tree"] = "--disable-radix-cache" not in argv
+    if backend is None:
+        argv = argv + ["--radix-cache-backend", RADIX_BACKEND]
+        log(f"sglang_sparse: prefix cache keyed by logical tokens over retained KV; added "
+            f"--radix-cache-backend {RADIX_BACKEND}")
+    return argv
 
 
 def _page_size(config: dict, runtime, argv: list[str], given, log) -> list[str]:

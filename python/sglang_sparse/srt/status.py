@@ -38,24 +38,36 @@ def process_record() -> dict:
 
 def scheduler_stats(scheduler) -> dict | None:
     """KV accounting of one scheduler plus its controller's view (None if no method runs)."""
-    from sglang_sparse.srt import state
+    from sglang_sparse.srt import chains, state
 
     if state.controller is None:
         return None
     stats = state.controller.stats()
-    cached = int(scheduler.tree_cache.evictable_size())  # radix-cached, unreferenced tokens
+    cached = int(scheduler.tree_cache.evictable_size())  # radix-cached, unreferenced slots
     return {
         "method": stats["method"],
         "kv_total_slots": int(scheduler.max_total_num_tokens),
         "kv_free_slots": int(scheduler.token_to_kv_pool_allocator.available_size()),
-        # running requests (controller) + cached prefixes; cached KV is never sparse yet
-        "logical_tokens": stats["logical_tokens"] + cached,
-        "retained_tokens": stats["retained_tokens"] + cached,
+        # running requests (controller view); the radix cache is reported under "radix"
+        "logical_tokens": stats["logical_tokens"],
+        "retained_tokens": stats["retained_tokens"],
         "running_requests": len(state.controller.cache.requests),
         "steps": stats["steps"],
         "counters": stats["counters"],
+        "radix": _radix_stats(scheduler.tree_cache),
+        "integrity": chains.check_integrity(scheduler),  # every KV slot has exactly one owner
         **_chain_stats(state.chains),
     }
+
+
+def _radix_stats(cache) -> dict:
+    """The logical radix tree (srt/radix.py): cached slots free to evict, slots locked by running
+    requests or pinned chains, nodes."""
+    tree = getattr(cache, "tree", None)
+    if tree is None:
+        return {"backend": type(cache).__name__}
+    return {"backend": "sglang_sparse", "enabled": cache.tree_on, "evictable_slots": tree.evictable,
+            "protected_slots": tree.protected, "nodes": sum(1 for _ in tree.nodes())}
 
 
 def _chain_stats(index) -> dict:
@@ -74,11 +86,11 @@ def _add_scheduler_record(result, controller, *args, **kwargs):
     record["stats"] = scheduler_stats(controller.scheduler)
     from sglang_sparse.srt import state
 
-    if state.chains is not None:
-        from sglang_sparse.srt import chains
+    from sglang_sparse.srt import chains
 
+    if state.chains is not None:
         record["chains"] = [rec.describe() for rec in state.chains.chains.values()]
-        record["chain_integrity"] = chains.check_integrity(controller.scheduler)
+    record["chain_integrity"] = chains.check_integrity(controller.scheduler)
     result.internal_state["sglang_sparse"] = record
     return result
 

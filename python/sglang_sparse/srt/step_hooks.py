@@ -130,8 +130,9 @@ def before_model_forward(runner, forward_batch=None, *args, **kwargs):
     mode = forward_batch.forward_mode
     if mode.is_decode():
         offset = state.pos_offset[forward_batch.req_pool_indices]
-    elif mode.is_extend() and state.chains is not None and forward_batch.extend_seq_lens is not None:
-        # A request resuming a chain prefills its suffix after evicted tokens (chains.py).
+    elif mode.is_extend() and forward_batch.extend_seq_lens is not None:
+        # A request resuming a chain, or on a pruned radix path, prefills its suffix after
+        # logical tokens without KV (chains.after_prepare_for_extend).
         offset = state.pos_offset[forward_batch.req_pool_indices].repeat_interleave(
             forward_batch.extend_seq_lens.to(state.pos_offset.device))
     else:
@@ -157,5 +158,6 @@ def register() -> list[str]:
     HookRegistry.register(DECODE_TARGET, before_prepare_for_decode, HookType.BEFORE)
     HookRegistry.register(PREFILL_TARGET, before_new_prefill, HookType.BEFORE)
     HookRegistry.register(RUNNER_TARGET, before_model_forward, HookType.BEFORE)
+    HookRegistry.register(chains.EXTEND_TARGET, chains.after_prepare_for_extend, HookType.AFTER)
     return ["hook:forward-step", "hook:release-kv", "hook:decode-safe-point", "hook:prefill-safe-point",
-            "hook:decode-positions"]
+            "hook:decode-positions", "hook:extend-rows"]

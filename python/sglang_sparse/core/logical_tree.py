@@ -1,0 +1,348 @@
+"""Logical radix tree: prefixes are matched on logical tokens, values are the KV slots retained.
+
+A node covers the logical positions ``[start, start + len(key))`` of every sequence through it
+(``start`` = summed key lengths of its ancestors). Its value is sparse once pruned:
+
+```
+ node.key      t0  t1  t2  t3  t4  t5  t6  t7        logical tokens (the match key, never shrinks)
+ offsets        0   1   2   3   4   5   6   7        offset within the node
+ node.kept     [0,          3,  4,          7]       offsets that still have KV (None = all)
+ node.slots    [s0,        s3, s4,         s7]       one KV slot per kept offset
+```
+
+A match of N logical tokens returns the P <= N retained slots of its path and their logical
+positions; a request on that path holds the P slots in rows ``[0, P)`` and its own tokens
+after them (positions stay logical, see ``srt/step_hooks.py``). Capacity accounting, lock
+references and eviction count retained slots, not key lengths.
+
+Locks follow SGLang's convention: locking a node increments ``lock_ref`` on it and on every
+ancestor, so ``lock_ref > 0`` means "some request reads through here" and such a node is
+neither evicted nor pruned. Engine-agnostic (torch only); ``srt/radix.py`` adapts it to
+SGLang's prefix-cache interface.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Iterator, NamedTuple, Sequence
+
+import torch
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class PruneBlocked(Exception):
+    """A node in the interval is in use (locked by a running request)."""
+
+
+@dataclass(eq=False)
+class Node:
+    key: tuple = ()
+    slots: torch.Tensor = field(default_factory=lambda: _EMPTY)
+    kept: torch.Tensor | None = None  # sorted offsets within key with a slot; None = all
+    parent: "Node | None" = None
+    children: dict = field(default_factory=dict)  # first page of child key -> child
+    lock_ref: int = 0
+    last_use: int = 0
+    priority: int = 0
+    records: list = field(default_factory=list)  # pruning records covering this node
+
+    @property
+    def retained(self) -> int:
+        return int(self.slots.numel())
+
+    @property
+    def pruned(self) -> bool:
+        return self.kept is not None
+
+    def offsets(self) -> torch.Tensor:
+        return torch.arange(len(self.key), dtype=torch.int64) if self.kept is None else self.kept
+
+
+class Match(NamedTuple):
+    length: int  # N: logical tokens matched
+    node: Node  # last node of the matched path (the root when N == 0)
+    slots: torch.Tensor  # P retained slots of the path, in logical order
+    positions: torch.Tensor  # their logical positions (ascending)
+
+
+class Inserted(NamedTuple):
+    end: int  # the tree now covers logical [0, end) of the sequence through ``node``
+    node: Node
+    row_slots: torch.Tensor  # slots for logical [start, end) as the tree holds them
+    duplicates: torch.Tensor  # caller's slots in [start, end) the tree already had: free them
+
+
+class LogicalRadixTree:
+    def __init__(self, page_size: int = 1) -> None:
+        self.page = page_size
+        self.roots: dict[Any, Node] = {}
+        self.evictable = 0  # retained slots in unlocked nodes
+        self.protected = 0  # retained slots in locked nodes
+        self._clock = itertools.count(1)
+
+    # ---- structure -------------------------------------------------------------------------
+    def root(self, extra_key: Any = None) -> Node:
+        node = self.roots.get(extra_key)
+        if node is None:
+            node = self.roots[extra_key] = Node(lock_ref=1)  # the root is never evicted
+        return node
+
+    def is_root(self, node: Node) -> bool:
+        return node.parent is None
+
+    def _first(self, key: Sequence[int]) -> tuple:
+        return tuple(key[: self.page])
+
+    def _aligned(self, n: int) -> int:
+        return n - n % self.page
+
+    def _common(self, a: Sequence[int], b: Sequence[int]) -> int:
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        return self._aligned(n)
+
+    def path(self, node: Node) -> list[Node]:
+        out = []
+        while node.parent is not None:
+            out.append(node)
+            node = node.parent
+        out.reverse()
+        return out
+
+    def path_slots(self, node: Node) -> tuple[torch.Tensor, torch.Tensor]:
+        """(retained slots, their logical positions) from the root to ``node``."""
+        slots, positions, start = [], [], 0
+        for n in self.path(node):
+            slots.append(n.slots)
+            positions.append(n.offsets() + start)
+            start += len(n.key)
+        if not slots:
+            return _EMPTY, _EMPTY
+        return torch.cat(slots), torch.cat(positions)
+
+    def _split(self, child: Node, at: int) -> Node:
+        """Cut ``child`` at key offset ``at`` (page aligned); return the new upper half."""
+        upper = Node(key=child.key[:at], parent=child.parent, lock_ref=child.lock_ref,
+                     last_use=child.last_use, priority=child.priority, records=list(child.records))
+        if child.kept is None:
+            upper.slots, child.slots = child.slots[:at], child.slots[at:]
+        else:
+            low = child.kept < at
+            upper.kept, upper.slots = child.kept[low], child.slots[low]
+            child.kept, child.slots = child.kept[~low] - at, child.slots[~low]
+        child.key = child.key[at:]
+        child.parent.children[self._first(upper.key)] = upper
+        upper.children = {self._first(child.key): child}
+        child.parent = upper
+        return upper
+
+    # ---- match / insert --------------------------------------------------------------------
+    def match(self, tokens: Sequence[int], extra_key: Any = None) -> Match:
+        """Longest page-aligned logical prefix of ``tokens`` in the tree (splits the last node
+        when the match ends inside it, so the returned node ends exactly at N)."""
+        node, pos, now = self.root(extra_key), 0, next(self._clock)
+        tokens = tokens[: self._aligned(len(tokens))]
+        node.last_use = now
+        while pos < len(tokens):
+            child = node.children.get(self._first(tokens[pos:]))
+            if child is None:
+                break
+            n = self._common(child.key, tokens[pos:])
+            if n == 0:
+                break
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_use = now
+            node, pos = child, pos + n
+        slots, positions = self.path_slots(node)
+        return Match(pos, node, slots, positions)
+
+    def insert(self, tokens: Sequence[int], start: int, slots: torch.Tensor,
+               extra_key: Any = None) -> Inserted:
+        """Add logical ``tokens[start:]`` (slots given for exactly those positions) below the
+        path of ``tokens[:start]``, which must already be in the tree (the caller matched and
+        locked it). Positions the tree already has are returned as duplicates. Insertion stops
+        at a pruned node past ``start``: its KV differs from the caller's, so the caller keeps
+        its own slots from there (``end`` says where)."""
+        L = self._aligned(len(tokens))
+        assert 0 <= start <= L and slots.numel() >= L - start, (start, L, slots.numel())
+        node, pos, now = self.root(extra_key), 0, next(self._clock)
+        row, dups = [], []
+        while pos < L:
+            child = node.children.get(self._first(tokens[pos:L]))
+            if child is None:
+                break
+            n = self._common(child.key, tokens[pos:L])
+            if n == 0:
+                break
+            if n < len(child.key):
+                child = self._split(child, n)
+            if pos + n > start:
+                if child.pruned:
+                    if pos < start:  # the caller's own part begins inside this node
+                        child = self._split(child, start - pos)
+                        child.last_use, node, pos = now, child, start
+                    break
+                lo = max(pos, start)
+                row.append(child.slots[lo - pos:])
+                dups.append(slots[lo - start: pos + n - start])
+            child.last_use = now
+            node, pos = child, pos + n
+        assert pos >= start, f"prefix [0, {start}) is not in the tree (reached {pos})"
+        if pos < L and not (node.children.get(self._first(tokens[pos:L])) is not None):
+            new = Node(key=tuple(tokens[pos:L]), slots=slots[pos - start: L - start].clone(),
+                       parent=node, last_use=now)
+            node.children[self._first(new.key)] = new
+            self.evictable += new.retained
+            row.append(new.slots)
+            node, pos = new, L
+        cat = lambda xs: torch.cat(xs) if xs else _EMPTY  # noqa: E731
+        return Inserted(pos, node, cat(row), cat(dups))
+
+    # ---- locks, eviction ---------------------------------------------------------------------
+    def lock(self, node: Node) -> None:
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                self.evictable -= node.retained
+                self.protected += node.retained
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        while node.parent is not None:
+            assert node.lock_ref > 0, "unlock without lock"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.evictable += node.retained
+                self.protected -= node.retained
+            node = node.parent
+
+    def _remove_leaf(self, node: Node) -> torch.Tensor:
+        del node.parent.children[self._first(node.key)]
+        self.evictable -= node.retained
+        freed, node.slots = node.slots, _EMPTY
+        return freed
+
+    def evict(self, num_slots: int) -> torch.Tensor:
+        """Free at least ``num_slots`` retained slots from unlocked leaves, lowest priority and
+        least recently used first (or everything evictable); returns the freed slots."""
+        heap = [(n.priority, n.last_use, id(n), n) for n in self.nodes()
+                if not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed, count = [], 0
+        while heap and count < num_slots:
+            _, _, _, n = heapq.heappop(heap)
+            parent = n.parent
+            freed.append(self._remove_leaf(n))
+            count += freed[-1].numel()
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.priority, parent.last_use, id(parent), parent))
+        return torch.cat(freed) if freed else _EMPTY
+
+    def delete_subtree(self, node: Node) -> torch.Tensor:
+        """Remove ``node`` and everything below it (all unlocked); returns the freed slots."""
+        if node.parent is None or node.lock_ref > 0:
+            raise PruneBlocked("the subtree is in use by a running request")
+        freed = []
+        for n in reversed(list(self._walk(node))):
+            freed.append(self._remove_leaf(n))
+        return torch.cat(freed) if freed else _EMPTY
+
+    # ---- pruning -----------------------------------------------------------------------------
+    def interval_nodes(self, tokens: Sequence[int], left: int, right: int,
+                       extra_key: Any = None) -> list[tuple[int, Node]]:
+        """Nodes covering logical ``[left, right)`` of ``tokens`` as (start, node), split so the
+        interval starts and ends on node boundaries. Raises KeyError if ``tokens[:right]`` is not
+        all cached, PruneBlocked if any of them is locked."""
+        m = self.match(tokens[:right], extra_key)
+        if m.length < right:
+            raise KeyError(f"only {m.length} of the first {right} tokens are cached")
+        out, start = [], 0
+        for n in self.path(m.node):
+            end = start + len(n.key)
+            if end > left:
+                if start < left:
+                    self._split(n, left - start)
+                    return self.interval_nodes(tokens, left, right, extra_key)
+                out.append((start, n))
+            start = end
+        if any(n.lock_ref > 0 for _, n in out):
+            raise PruneBlocked("a request is reading this prefix")
+        return out
+
+    def retained_in(self, nodes: list[tuple[int, Node]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logical positions, slots) still retained in ``nodes``."""
+        if not nodes:
+            return _EMPTY, _EMPTY
+        return (torch.cat([n.offsets() + s for s, n in nodes]), torch.cat([n.slots for _, n in nodes]))
+
+    def apply_keep(self, nodes: list[tuple[int, Node]], keep: torch.Tensor, record: dict) -> torch.Tensor:
+        """Keep only the retained entries where ``keep`` (bool, over ``retained_in(nodes)``) is
+        True; returns the dropped slots for the caller to free."""
+        if any(n.lock_ref > 0 for _, n in nodes):
+            raise PruneBlocked("a request is reading this prefix")
+        assert keep.numel() == sum(n.retained for _, n in nodes), "keep mask does not match the retained entries"
+        dropped, i = [], 0
+        for _, n in nodes:
+            k = keep[i: i + n.retained]
+            i += n.retained
+            dropped.append(n.slots[~k])
+            n.kept, n.slots = n.offsets()[k], n.slots[k]
+            self.evictable -= int(dropped[-1].numel())
+            n.records.append(dict(record))
+        return torch.cat(dropped) if dropped else _EMPTY
+
+    # ---- inspection ------------------------------------------------------------------------
+    def _walk(self, node: Node) -> Iterator[Node]:
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def nodes(self) -> Iterator[Node]:
+        for r in self.roots.values():
+            for n in self._walk(r):
+                if n.parent is not None:
+                    yield n
+
+    def total_retained(self) -> int:
+        return sum(n.retained for n in self.nodes())
+
+    def check(self) -> torch.Tensor:
+        """Verify the tree's invariants; return all slots it owns (each exactly once)."""
+        evictable = protected = 0
+        owned = []
+        for n in self.nodes():
+            assert len(n.key) > 0 and len(n.key) % self.page == 0, "key not page aligned"
+            assert n.parent.children.get(self._first(n.key)) is n, "child indexed under a wrong key"
+            if n.kept is None:
+                assert n.retained == len(n.key), "unpruned node without one slot per token"
+            else:
+                assert n.kept.numel() == n.retained, "kept offsets and slots differ in length"
+                if n.retained:
+                    assert bool((n.kept[1:] > n.kept[:-1]).all()), "kept offsets not increasing"
+                    assert 0 <= int(n.kept[0]) and int(n.kept[-1]) < len(n.key), "kept offset out of range"
+            assert n.lock_ref >= sum(c.lock_ref for c in n.children.values()), "lock below exceeds lock above"
+            if n.lock_ref:
+                protected += n.retained
+            else:
+                evictable += n.retained
+            owned.append(n.slots)
+        assert (evictable, protected) == (self.evictable, self.protected), (
+            f"size accounting drifted: counted {evictable}/{protected}, "
+            f"tracked {self.evictable}/{self.protected}")
+        slots = torch.cat(owned) if owned else _EMPTY
+        assert slots.unique().numel() == slots.numel(), "a slot is owned by two tree nodes"
+        return slots
+
+    def describe(self, node: Node) -> dict:
+        return {"logical_tokens": len(node.key), "retained_tokens": node.retained,
+                "locked": node.lock_ref > 0, "priority": node.priority,
+                "pruning_records": list(node.records)}

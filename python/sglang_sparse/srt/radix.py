@@ -1,0 +1,231 @@
+"""``SparseRadixCache``: SGLang's prefix cache with logical keys over retained slots.
+
+Registered as radix-cache backend ``sglang_sparse`` (SGLang's ``register_radix_cache_backend``);
+the launcher selects it with ``--radix-cache-backend sglang_sparse``. It subclasses SGLang's
+``UnifiedRadixCache`` only as a shell: the shell is built *disabled* (so none of its own tree,
+HiCache or storage paths run), and the prefix tree is ``core.logical_tree.LogicalRadixTree``:
+
+- keys are logical tokens (plus SGLang's ``extra_key`` / ``cache_salt`` namespace);
+- values are the KV slots still retained (all of them until ``/prune`` drops some);
+- ``evictable_size`` / ``protected_size`` count retained slots; eviction frees them to SGLang's
+  allocator; ``check_integrity`` (srt/integrity.py) proves every slot has one owner.
+
+Rows vs logical positions of a request on a pruned path (P retained slots for N logical tokens):
+``match_prefix`` reports N (SGLang prefills only ``[N, len)``) and ``cache_protected_len = P``;
+``prefix_device_indices`` pads the P slots to N; after allocation ``chains.after_prepare_for_extend``
+moves the suffix slots from row N to row P and records the gap N - P as the request's RoPE
+offset (``req.sparse_offset``). With nothing pruned P == N and all of this is SGLang's own path.
+
+Chain Cache rides the same class: ``match_prefix`` first lends a resumed chain's rows,
+``claim_kv_row`` parks a finishing chain's rows, ``session_records`` reports parked rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import (
+    DecLockRefParams,
+    DecLockRefResult,
+    EvictParams,
+    EvictResult,
+    IncLockRefResult,
+    MatchResult,
+    TreeLock,
+)
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+from sglang_sparse.core.logical_tree import LogicalRadixTree, Node
+
+BACKEND = "sglang_sparse"
+
+
+class SparseRadixCache(UnifiedRadixCache):
+    def __init__(self, params) -> None:
+        self.tree_on = not params.disable
+        self.tree = LogicalRadixTree(params.page_size)
+        super().__init__(dataclasses.replace(params, disable=True))
+        self._device = params.token_to_kv_pool_allocator.device
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def reset(self) -> None:
+        super().reset()
+        self.tree = LogicalRadixTree(self.tree.page)
+
+    def supports_prefix_sharing(self) -> bool:
+        return self.tree_on
+
+    def supports_fast_match_prefix(self) -> bool:
+        return False
+
+    # -- match ---------------------------------------------------------------------------------
+    @staticmethod
+    def _namespace(key):
+        return (key.extra_key, key.cache_salt)
+
+    def match_prefix(self, params) -> MatchResult:
+        from sglang_sparse.srt import chains
+
+        lent = chains.lend_match(params)
+        if lent is not None:
+            return lent
+        result = self.session.try_match_prefix(params)
+        if result is not None:
+            return result
+        if not self.tree_on:
+            return self._match_tree(params)
+        key = params.key
+        m = self.tree.match(key.raw_token_ids(), self._namespace(key))
+        retained = int(m.slots.numel())
+        if params.req is not None:
+            params.req.sparse_gap = m.length - retained  # logical tokens of the match without KV
+        return MatchResult(device_prefix_len=m.length, last_device_node=m.node, last_host_node=m.node,
+                           best_match_node=m.node,
+                           cache_protected_len=retained if retained < m.length else None)
+
+    def touch_prefix(self, key) -> None:
+        if self.tree_on:
+            self.tree.match(key.raw_token_ids(), self._namespace(key))
+
+    def path_device_indices(self, node) -> torch.Tensor:
+        return self.tree.path_slots(node)[0].to(self._device)
+
+    def prefix_device_indices(self, req) -> torch.Tensor:
+        """The P retained slots of the match, padded to N with slot 0 (SGLang's padding slot):
+        SGLang writes N prefix entries into the row; the fix-up after allocation keeps P."""
+        slots = self.tree.path_slots(req.last_node)[0]
+        n = req.prefix_len
+        if slots.numel() < n:
+            slots = torch.cat([slots, slots.new_zeros(n - slots.numel())])
+        return slots[:n].to(self._device)
+
+    # -- insert --------------------------------------------------------------------------------
+    def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
+        """Insert the request's KV ``[cache_protected_len, up_to)`` and move its lock.
+
+        SGLang passes ``up_to`` in rows at release (``owned_kv_len``, the request is finished)
+        and in logical tokens between prefill chunks (``extend_end``); the two differ by the
+        request's gap N - P on a pruned path."""
+        if self.session.try_checkpoint(req, up_to=up_to, **kwargs) or not self.tree_on:
+            return
+        gap = getattr(req, "sparse_gap", 0) or 0
+        logical_end = up_to + gap if req.finished() else up_to
+        tokens = list(req.full_untruncated_fill_ids[:logical_end])
+        end = len(tokens) - len(tokens) % self.page_size
+        kv = req.kv
+        protected = kv.cache_protected_len  # rows [0, protected) are tree slots already
+        start = protected + gap  # logical start of what the request computed itself
+        if end <= start:
+            return
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
+        own = row[protected: end - gap].to(torch.int64).cpu()
+        ins = self.tree.insert(tokens[:end], start, own, (req.extra_key, req.cache_salt))
+        if ins.duplicates.numel():
+            self.token_to_kv_pool_allocator.free(ins.duplicates.to(self._device))
+        done = ins.end - start
+        row[protected: protected + done] = ins.row_slots.to(row.device, row.dtype)
+        kv.cache_protected_len = protected + done
+        kv.cache_inserted_len = max(kv.cache_inserted_len, ins.end)
+        old = req.lock
+        req.lock = self.lock(ins.node)
+        self.unlock(old)
+        req.last_node = ins.node
+
+    # -- locks ---------------------------------------------------------------------------------
+    def inc_lock_ref(self, node, *args, **kwargs) -> IncLockRefResult:
+        if isinstance(node, Node):
+            self.tree.lock(node)
+        return IncLockRefResult(delta=0)
+
+    def dec_lock_ref(self, node, params=None, *args, **kwargs) -> DecLockRefResult:
+        if isinstance(node, Node):
+            self.tree.unlock(node)
+        return DecLockRefResult(delta=0)
+
+    def lock(self, node, *args, **kwargs):
+        if not isinstance(node, Node):  # a lent chain or streaming-session row: not a tree node
+            return None
+        self.tree.lock(node)
+        return TreeLock(node, DecLockRefParams())
+
+    def unlock(self, lock) -> None:
+        if lock is not None and isinstance(lock.node, Node):
+            self.tree.unlock(lock.node)
+
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        from sglang_sparse.srt import chains
+
+        req.sparse_gap = 0
+        if checkpointed:
+            chains.pin_path(self, req)
+
+    # -- capacity ------------------------------------------------------------------------------
+    def evict(self, params: EvictParams) -> EvictResult:
+        freed = self.tree.evict(params.num_tokens)
+        if freed.numel():
+            self.token_to_kv_pool_allocator.free(freed.to(self._device))
+        return EvictResult(num_tokens_evicted=int(freed.numel()))
+
+    def evict_for_alloc(self, params: EvictParams, *, allocation_reclaim_satisfied=None) -> EvictResult:
+        return self.evict(params)
+
+    def free_tree_slots(self, slots: torch.Tensor) -> None:
+        if slots.numel():
+            self.token_to_kv_pool_allocator.free(slots.to(self._device))
+
+    def evictable_size(self) -> int:
+        return self.tree.evictable
+
+    def full_evictable_size(self) -> int:
+        return self.tree.evictable
+
+    def protected_size(self) -> int:
+        return self.tree.protected
+
+    def full_protected_size(self) -> int:
+        return self.tree.protected
+
+    def total_size(self):
+        return self.tree.total_retained()
+
+    def sanity_check(self) -> None:
+        self.tree.check()
+
+    def is_root(self, node) -> bool:
+        return isinstance(node, Node) and node.parent is None
+
+    def root_node_handle(self, extra_key=None):
+        return self.tree.root((extra_key, None))
+
+    def pretty_print(self) -> None:
+        print(f"sglang_sparse radix tree: {sum(1 for _ in self.tree.nodes())} nodes, "
+              f"{self.tree.total_retained()} retained slots, evictable {self.tree.evictable}, "
+              f"protected {self.tree.protected}")
+
+    # -- Chain Cache -----------------------------------------------------------------------------
+    def claim_kv_row(self, req) -> bool:
+        from sglang_sparse.srt import chains
+
+        return chains.park_row(self, req) or super().claim_kv_row(req)
+
+    def session_records(self) -> dict:
+        from sglang_sparse.srt import chains
+
+        return {**super().session_records(), **chains.parked_records()}
+
+
+def create(ctx):
+    from sglang.srt.mem_cache.registry import create_unified_radix_cache
+
+    return create_unified_radix_cache(ctx, cache_class=SparseRadixCache)
+
+
+def register() -> list[str]:
+    from sglang.srt.mem_cache import registry
+
+    try:
+        registry.register_radix_cache_backend(BACKEND, create)
+    except ValueError:  # already registered in this process
+        pass
+    return [f"radix-cache-backend:{BACKEND}"]
