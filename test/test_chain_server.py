@@ -229,3 +229,9 @@ def test_delete_frees_an_idle_chain_and_refuses_busy_or_unknown_ones(server):
     s = stats(server)
     assert s["kv_free_slots"] == s["kv_total_slots"] and s["chain_idle_rows"] == 0
     assert_rows_accounted(server)
+
+
+def test_prune_is_refused_for_a_method_that_evicts(server):
+    resp = requests.post(server.base_url + "/prune", timeout=60, json={
+        "token_ids": ids(64, 30), "ranges": [[0, 16]], "keep_ratio": 0.5})
+    assert resp.status_code == 409 and "radix cache is off" in resp.text, resp.text

@@ -84,3 +84,24 @@ def test_radix_cached_prefix_gives_the_same_selection_and_answer(server):
     # the warm run read as many pages as the cold one (same lengths, same budget): the cached
     # prefix was summarised, not skipped
     assert stats(server)["counters"]["pages_selected"] - c1 == cold_pages > 0
+
+
+def test_pruned_prefix_keeps_whole_pages_and_still_serves(server):
+    """/prune on Quest: intervals and the keep mask are whole 16-token pages (Quest's page
+    summaries stay valid for the pages kept); the pruned path still matches and decodes."""
+    prompt = [3000 + (13 * j) % 9000 for j in range(400)]
+    generate(server, prompt, 1)
+    url = server.base_url
+    unaligned = requests.post(url + "/prune", timeout=600, json={
+        "token_ids": prompt, "ranges": [[30, 256]], "keep_ratio": 0.25, "wait": True})
+    assert unaligned.status_code == 400 and "page size 16" in unaligned.text
+    free = stats(server)["kv_free_slots"]
+    rec = requests.post(url + "/prune", timeout=600, json={
+        "token_ids": prompt, "ranges": [[32, 256]], "keep_ratio": 0.25, "wait": True}).json()
+    # floor(0.25 * 224) = 56 tokens, rounded down to 3 pages
+    assert (rec["status"], rec["retained_tokens"], rec["freed_slots"]) == ("completed", 48, 176), rec
+    assert stats(server)["kv_free_slots"] - free == 176
+    out = generate(server, prompt + list(range(800, 810)), 4)
+    assert out["meta_info"]["cached_tokens"] >= 384
+    s = stats(server)
+    assert s["integrity"]["ok"], s["integrity"]

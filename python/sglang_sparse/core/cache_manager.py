@@ -36,10 +36,13 @@ class CacheManager:
         self.counters = {"compactions": 0, "slots_released": 0}
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self, rid: str, req_row: int, prompt_len: int, cached_len: int = 0) -> RequestState:
-        """A request enters the engine; ``cached_len`` rows are already resident (prefix hit)."""
+    def start(self, rid: str, req_row: int, prompt_len: int, cached_len: int = 0,
+              cached_logical: int | None = None) -> RequestState:
+        """A request enters the engine; ``cached_len`` rows are already resident (prefix hit),
+        standing for ``cached_logical`` logical tokens (more than the rows on a pruned prefix)."""
         state = RequestState(req_row, prompt_len, RetainedMap(self.store.num_layers, self.kv_heads))
         state.retained.append(cached_len)
+        state.retained.logical_len = cached_len if cached_logical is None else cached_logical
         self.requests[rid] = state
         return state
 

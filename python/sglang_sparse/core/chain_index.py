@@ -188,6 +188,13 @@ class ChainCacheIndex:
             self.release(rec.payload)
         del self.chains[chain_id]
 
+    def forget_all(self, reason: str) -> None:
+        """The engine dropped every KV slot at once (cache flush): payloads are gone already,
+        so chains are invalidated without releasing anything."""
+        for rec in self.chains.values():
+            if rec.status not in (ChainStatus.RECLAIMED, ChainStatus.INVALIDATED):
+                rec.payload, rec.rows, rec.status, rec.reason = None, 0, ChainStatus.INVALIDATED, reason
+
     # -- capacity ----------------------------------------------------------------------------------
     def idle_rows(self) -> int:
         return sum(r.rows for r in self.chains.values() if r.status is ChainStatus.IDLE)

@@ -28,8 +28,9 @@ class SparseController:
         self.decode_hooks = type(runtime).decode_needs_python()
 
     # -- requests ----------------------------------------------------------------------------
-    def request_started(self, rid: str, req_row: int, prompt_len: int, cached_len: int = 0) -> None:
-        self.cache.start(rid, req_row, prompt_len, cached_len)
+    def request_started(self, rid: str, req_row: int, prompt_len: int, cached_len: int = 0,
+                        cached_logical: int | None = None) -> None:
+        self.cache.start(rid, req_row, prompt_len, cached_len, cached_logical)
         self.runtime.on_request_start(rid)
 
     def request_resumed(self, rid: str, req_row: int, prompt_len: int, retained, metadata: dict) -> None:

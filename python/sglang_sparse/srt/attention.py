@@ -24,7 +24,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang_sparse.core.events import DecodeBatch, LayerInput
 from sglang_sparse.core.views import DecodeView
 from sglang_sparse.kernels.decode import decode_over_pages, decode_over_views
-from sglang_sparse.srt import state
+from sglang_sparse.srt import prune, state
 
 
 class SparseHooks:
@@ -61,12 +61,15 @@ class SparseHooks:
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         if not self._hooked(k, layer, save_kv_cache, kwargs):
-            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-        self._write_kv(k, v, layer, forward_batch)
-        inp = self._layer_input(q, k, v, layer)
-        state.controller.attention_view(inp)  # prefill stays dense (no sparse-prefill method yet)
-        o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache=False)
-        state.controller.attention_done(inp, o.view(-1, layer.tp_q_head_num, layer.v_head_dim))
+            o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        else:
+            self._write_kv(k, v, layer, forward_batch)
+            inp = self._layer_input(q, k, v, layer)
+            state.controller.attention_view(inp)  # prefill stays dense (no sparse-prefill method yet)
+            o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache=False)
+            state.controller.attention_done(inp, o.view(-1, layer.tp_q_head_num, layer.v_head_dim))
+        if state.probe_rows and self._plain(k, layer, save_kv_cache, kwargs):
+            prune.capture(self, q, layer, forward_batch)  # a /prune probe scores its interval
         return o
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):

@@ -38,7 +38,7 @@ from typing import Any
 
 from sglang_sparse.core.chain_index import ChainBusy, ChainCacheIndex, ChainError, ChainStatus, fingerprint
 from sglang_sparse.core.retained import RetainedMap
-from sglang_sparse.srt import state
+from sglang_sparse.srt import prune, state
 
 CREATE_TARGET = "sglang.srt.managers.scheduler.Scheduler._create_generation_req"
 CACHE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
@@ -112,6 +112,8 @@ def after_create_req(req, scheduler, recv_req, *args, **kwargs):
     if idx is None or req is None or req.to_finish is not None:
         return None
     params = req.sampling_params.custom_params
+    if isinstance(params, dict) and prune.PROBE_KEY in params:
+        return None  # a pruning probe belongs to no chain
     chain_id = params.get("chain_id") if isinstance(params, dict) else None
     session = getattr(req, "session", None)
     try:
@@ -190,6 +192,7 @@ def lend_match(params):
 
 # -- rows vs logical after SGLang allocated the extend ---------------------------------------------
 def after_prepare_for_extend(result, batch, *args, **kwargs):
+    prune.bind_rows(batch)
     offsets = []
     for req in batch.reqs:
         ch = getattr(req, "sparse_chain", None)
@@ -363,7 +366,8 @@ def check_integrity(scheduler) -> dict:
     free_pages = alloc.get_all_free_pages().to(torch.int64).cpu()
     free = (free_pages.view(-1, 1) * page + torch.arange(page)).flatten()
     total = int(scheduler.max_total_num_tokens)
-    counts = torch.bincount(torch.cat(owned + [free]), minlength=total + page)[1 : total + 1]  # slot 0: padding
+    # page 0 (slot 0, the padding slot, and the rest of its page) is never allocated
+    counts = torch.bincount(torch.cat(owned + [free]), minlength=total + page)[page: total + page]
     twice, lost = int((counts > 1).sum()), int((counts == 0).sum())
     return {"ok": twice == 0 and lost == 0 and not problems, "owned_twice": twice, "lost": lost,
             "free": int(free.numel()), "owned": int(sum(o.numel() for o in owned)), "problems": problems,
@@ -382,9 +386,9 @@ def around_dumper_control(original, scheduler, recv_req, *args, **kwargs):
     from sglang.srt.managers.io_struct import DumperControlReqOutput
 
     try:
-        result = _control(method[len(CONTROL_PREFIX):], recv_req.body or {})
+        result = _control(scheduler, method[len(CONTROL_PREFIX):], recv_req.body or {})
         out = DumperControlReqOutput(success=True, response=[result])
-    except ChainError as err:
+    except (ChainError, prune.PruneError) as err:
         out = DumperControlReqOutput(success=True, response=[{"status": err.status, "message": err.message}])
     except Exception as err:  # reported to the caller; the scheduler goes on
         out = DumperControlReqOutput(success=False, response=[], error=repr(err))
@@ -392,7 +396,9 @@ def around_dumper_control(original, scheduler, recv_req, *args, **kwargs):
     return None
 
 
-def _control(op: str, body: dict) -> dict:
+def _control(scheduler, op: str, body: dict) -> dict:
+    if op.startswith(("prune_", "prefix_")):
+        return prune.control(scheduler, op, body)
     if state.chains is None:
         raise ChainError("chain cache is off")
     if op == "chain_delete":
@@ -418,9 +424,8 @@ def register_scheduler() -> list[str]:
     HookRegistry.register(CREATE_TARGET, after_create_req, HookType.AFTER)
     HookRegistry.register("sglang.srt.managers.scheduler.Scheduler._release_aborted_request",
                           before_release_aborted, HookType.BEFORE)
-    HookRegistry.register(CONTROL_TARGET, around_dumper_control, HookType.AROUND)
     HookRegistry.register(CLOSE_SESSION_TARGET, after_close_session, HookType.AFTER)
-    return ["hook:chain-arrival", "hook:chain-cancel-waiting", "hook:chain-control", "hook:chain-sessions"]
+    return ["hook:chain-arrival", "hook:chain-cancel-waiting", "hook:chain-sessions"]
 
 
 # -- a top-level `chain_id` in request bodies (main process) ----------------------------------------

@@ -50,7 +50,7 @@ def _register_runtime(chain_cache: bool) -> None:
     MemoryOracle-driven admission and (when on) Chain Cache."""
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
 
-    from sglang_sparse.srt import admission, attention, radix, step_hooks
+    from sglang_sparse.srt import admission, attention, prune, radix, step_hooks
 
     register_attention_backend("torch_native")(attention.create_backend)
     register_attention_backend("triton")(_create_triton_backend)
@@ -58,6 +58,7 @@ def _register_runtime(chain_cache: bool) -> None:
     status.REGISTRATIONS.extend(step_hooks.register())
     status.REGISTRATIONS.extend(admission.register())
     status.REGISTRATIONS.extend(radix.register())
+    status.REGISTRATIONS.extend(prune.register())
     if chain_cache:
         from sglang_sparse.srt import chains
 

@@ -3,7 +3,8 @@
 Registered as radix-cache backend ``sglang_sparse`` (SGLang's ``register_radix_cache_backend``);
 the launcher selects it with ``--radix-cache-backend sglang_sparse``. It subclasses SGLang's
 ``UnifiedRadixCache`` only as a shell: the shell is built *disabled* (so none of its own tree,
-HiCache or storage paths run), and the prefix tree is ``core.logical_tree.LogicalRadixTree``:
+HiCache or storage paths is set up; ``disable`` is then set to say whether *our* tree is on,
+which is what SGLang reads it for), and the prefix tree is ``core.logical_tree.LogicalRadixTree``:
 
 - keys are logical tokens (plus SGLang's ``extra_key`` / ``cache_salt`` namespace);
 - values are the KV slots still retained (all of them until ``/prune`` drops some);
@@ -46,12 +47,21 @@ class SparseRadixCache(UnifiedRadixCache):
         self.tree_on = not params.disable
         self.tree = LogicalRadixTree(params.page_size)
         super().__init__(dataclasses.replace(params, disable=True))
+        # SGLang reads ``disable`` to tell whether a prefix tree exists (admission of ignore_eos
+        # requests, cache-aware policies); the shell's own tree paths it guards are overridden.
+        self.disable = not self.tree_on
         self._device = params.token_to_kv_pool_allocator.device
 
     # -- lifecycle -----------------------------------------------------------------------------
     def reset(self) -> None:
+        """SGLang's cache flush (only when idle): it clears the allocator and req_to_token rows
+        next, so chains lose their payloads without freeing them."""
+        from sglang_sparse.srt import state
+
         super().reset()
         self.tree = LogicalRadixTree(self.tree.page)
+        if getattr(state, "chains", None) is not None:
+            state.chains.forget_all("the cache was flushed")
 
     def supports_prefix_sharing(self) -> bool:
         return self.tree_on
@@ -76,7 +86,11 @@ class SparseRadixCache(UnifiedRadixCache):
         if not self.tree_on:
             return self._match_tree(params)
         key = params.key
-        m = self.tree.match(key.raw_token_ids(), self._namespace(key))
+        tokens = key.raw_token_ids()
+        cap = getattr(params.req, "sparse_probe_cap", None)
+        if cap is not None:  # a snapkv pruning probe recomputes its observation window
+            tokens = tokens[:cap]
+        m = self.tree.match(tokens, self._namespace(key))
         retained = int(m.slots.numel())
         if params.req is not None:
             params.req.sparse_gap = m.length - retained  # logical tokens of the match without KV

@@ -19,3 +19,8 @@ pos_offset: torch.Tensor | None = None
 # Chain Cache (srt/chains.py): the index of this scheduler's chains, and what a chain must match.
 chains = None
 chain_fingerprint: str = ""
+
+# Prefix-cache pruning (srt/prune.py): planned jobs by id, and the req_to_token rows of running
+# probe requests (the attention backend sees rows, not requests).
+prune_jobs: dict = {}
+probe_rows: dict = {}

@@ -173,6 +173,9 @@ def register_routes() -> None:
     app.add_api_route("/sparse/info", sparse_info, methods=["GET"])
     app.add_api_route("/sparse/stats", sparse_stats, methods=["GET"])
     REGISTRATIONS.extend(["route:/sparse/info", "route:/sparse/stats"])
+    from sglang_sparse.srt import prune_api
+
+    REGISTRATIONS.extend(prune_api.register_routes(app))
     if activation.load_config().get("chain_cache"):
         app.add_api_route("/chain", list_chains, methods=["GET"])
         app.add_api_route("/chain/{chain_id}", get_chain, methods=["GET"])

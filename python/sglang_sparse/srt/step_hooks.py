@@ -22,7 +22,7 @@ inserted into the radix tree, would be wrong.
 from __future__ import annotations
 
 from sglang_sparse.core.events import RequestSlice, StepInfo, StepMode
-from sglang_sparse.srt import chains, state
+from sglang_sparse.srt import chains, prune, state
 
 FORWARD_TARGET = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
 RELEASE_TARGET = "sglang.srt.mem_cache.common.release_kv_cache"
@@ -73,7 +73,10 @@ def around_forward(original, worker, batch=None, *args, **kwargs):
             if resumed is not None:
                 ctl.request_resumed(r.rid, r.req_row, r.prompt_len, *resumed)
             else:
-                ctl.request_started(r.rid, r.req_row, r.prompt_len, cached_len=r.logical_start)
+                # rows [0, row_start) are resident; on a pruned radix path they stand for
+                # logical_start > row_start tokens (srt/radix.py)
+                ctl.request_started(r.rid, r.req_row, r.prompt_len, cached_len=r.row_start,
+                                    cached_logical=r.logical_start)
     ctl.begin_step(step)
     state.current_step = step
     try:
@@ -143,6 +146,7 @@ def before_model_forward(runner, forward_batch=None, *args, **kwargs):
 
 def before_release(req, *args, **kwargs):
     chains.before_release(req)  # park the chain's state while the controller still has it
+    prune.on_release(req)
     if state.controller is not None:
         state.controller.request_finished(req.rid)
         if state.pos_offset is not None and req.kv.req_pool_idx is not None:
