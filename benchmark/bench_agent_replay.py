@@ -1,4 +1,5 @@
-"""Multi-turn agent replay: dense + radix cache vs SnapKV + Chain Cache vs SnapKV without chains.
+"""Multi-turn agent replay: dense + radix cache vs SnapKV + Chain Cache vs SnapKV without chains,
+and dense + radix cache with prefix-cache pruning of old tool results (``/prune``).
 
 Synthetic trajectories: each of ``--sessions`` concurrent sessions starts with a system prompt
 (``--system`` tokens) and a task, then for ``--turns`` turns the model answers (``--answer``
@@ -9,7 +10,11 @@ ids, so prefixes match exactly). SnapKV + chains passes the chain id of its prev
 Reported per variant: end-to-end wall time, tokens prefilled (prompt - cached, summed over all
 requests, from ``meta_info``), peak KV slots occupied (``/sparse/stats`` polled; radix-cached
 KV and idle chains included), and reused tokens.
-Final-answer quality is not checked: the token streams are synthetic.
+Pruning variants (``dense+prune@R``): once a tool result is ``--prune-lag`` rounds old it is
+pruned once (kvzip, keep ratio R), the paper's delayed pruning; they also report the pool slots
+still occupied at the end (the cached conversations) and, as a quality proxy, how many sessions'
+final answers equal those of ``dense+radix`` (the token streams are synthetic, so there is no
+task answer to check; agreement with unpruned decoding is what can be measured).
 
     python benchmark/bench_agent_replay.py                     # CPU, default model
     python benchmark/bench_agent_replay.py --sessions 8 --turns 6 --out agent_replay.json -- <SGLang flags>
@@ -37,13 +42,19 @@ VARIANTS = {
     "dense+radix": [],
     "snapkv+chain": ["--sparse-method", "snapkv", "--chain-cache", "on"],
     "snapkv": ["--sparse-method", "snapkv", "--chain-cache", "off"],
+    "dense+prune@0.2": [],
+    "dense+prune@0.5": [],
 }
 
 
-def session(base_url: str, s: int, args, use_chain: bool, out: list) -> None:
+def prune_ratio(name: str) -> float | None:
+    return float(name.split("@")[1]) if name.startswith("dense+prune@") else None
+
+
+def session(base_url: str, s: int, args, use_chain: bool, out: list, keep: float | None = None) -> None:
     rng = random.Random(1000 + s)
     ids = [rng.randrange(1000, 30000) for _ in range(args.system)]  # system prompt + task
-    chain_id, records = None, []
+    chain_id, records, spans = None, [], []  # spans: [L, R) of each tool result in ids
     for turn in range(args.turns):
         sp = {"temperature": 0, "max_new_tokens": args.answer, "ignore_eos": True}
         if use_chain and chain_id is not None:
@@ -57,13 +68,24 @@ def session(base_url: str, s: int, args, use_chain: bool, out: list) -> None:
         chain_id = meta.get("chain_id")
         records.append({"turn": turn, "prompt": meta["prompt_tokens"], "cached": meta.get("cached_tokens", 0),
                         "reused": meta.get("reused_tokens", 0)})
+        records[-1]["answer"] = body["output_ids"]
+        cached = ids + body["output_ids"]
+        if keep is not None and len(spans) > args.prune_lag:  # the result prune_lag rounds back
+            left, right = spans[-args.prune_lag - 1]
+            t0 = time.monotonic()
+            rec = requests.post(base_url + "/prune", timeout=3600, json={
+                "token_ids": cached, "ranges": [[left, right]], "keep_ratio": keep, "policy": "kvzip",
+                "wait": True}).json()
+            records[-1]["prune"] = {"status": rec.get("status"), "freed": rec.get("freed_slots", 0),
+                                    "seconds": time.monotonic() - t0}
         time.sleep(args.tool_wait)  # the tool runs
-        ids = ids + body["output_ids"] + [rng.randrange(1000, 30000) for _ in range(args.tool_output)]
+        spans.append((len(cached), len(cached) + args.tool_output))
+        ids = cached + [rng.randrange(1000, 30000) for _ in range(args.tool_output)]
     out[s] = records
 
 
 def run_variant(name: str, args) -> dict:
-    flags = VARIANTS[name] + ["--sparse-budget", str(args.budget)] if name != "dense+radix" else []
+    flags = VARIANTS[name] + ["--sparse-budget", str(args.budget)] if name.startswith("snapkv") else []
     flags = flags + ["--max-total-tokens", str(args.pool), "--log-level", "warning", *args.extra]
     with ServerProcess(flags) as srv:
         url, peak, done = srv.base_url, 0, threading.Event()
@@ -79,7 +101,8 @@ def run_variant(name: str, args) -> dict:
         poller.start()
         out: list = [None] * args.sessions
         t0 = time.monotonic()
-        threads = [threading.Thread(target=session, args=(url, s, args, name == "snapkv+chain", out))
+        threads = [threading.Thread(target=session, args=(url, s, args, name == "snapkv+chain", out,
+                                                          prune_ratio(name)))
                    for s in range(args.sessions)]
         for t in threads:
             t.start()
@@ -91,10 +114,16 @@ def run_variant(name: str, args) -> dict:
         final = requests.get(url + "/sparse/stats", timeout=60).json()
     turns = [r for rs in out for r in rs]
     errors = [r["error"] for r in turns if "error" in r]
+    prunes = [r["prune"] for r in turns if "prune" in r]
     return {"wall_s": wall, "requests": len(turns), "errors": errors[:3],
             "prefilled_tokens": sum(r["prompt"] - r["cached"] for r in turns if "prompt" in r),
             "reused_tokens": sum(r["reused"] for r in turns if "prompt" in r),
-            "peak_kv_occupied": peak, "chain_idle_rows_at_end": final.get("chain_idle_rows", 0)}
+            "peak_kv_occupied": peak, "kv_occupied_at_end": final["kv_total_slots"] - final["kv_free_slots"],
+            "chain_idle_rows_at_end": final.get("chain_idle_rows", 0),
+            "prunes": {"done": sum(p["status"] == "completed" for p in prunes), "not_done": [p["status"] for p in prunes
+                       if p["status"] != "completed"], "freed_slots": sum(p["freed"] for p in prunes),
+                       "seconds": sum(p["seconds"] for p in prunes)},
+            "final_answers": [rs[-1].get("answer") if rs else None for rs in out]}
 
 
 def main() -> None:
@@ -108,6 +137,7 @@ def main() -> None:
     ap.add_argument("--tool-wait", type=float, default=0.5)
     ap.add_argument("--budget", type=int, default=256, help="SnapKV budget")
     ap.add_argument("--pool", type=int, default=32768)
+    ap.add_argument("--prune-lag", type=int, default=1, help="prune a tool result once it is this many rounds old")
     ap.add_argument("--out", default="agent_replay_cpu.json")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -119,12 +149,17 @@ def main() -> None:
         print(name, json.dumps(results[name]), flush=True)
     print(f"\n{args.sessions} sessions x {args.turns} turns; system {args.system}, tool output {args.tool_output}, "
           f"answer {args.answer} tokens, tool wait {args.tool_wait}s, SnapKV budget {args.budget}")
-    print(f"{'variant':<14}{'wall s':>9}{'prefilled':>11}{'reused':>9}{'peak KV':>9}{'vs dense':>10}")
-    base = results.get("dense+radix", {}).get("wall_s")
+    print(f"{'variant':<17}{'wall s':>8}{'prefilled':>11}{'reused':>9}{'peak KV':>9}{'KV at end':>10}"
+          f"{'freed':>7}{'same answer':>12}{'vs dense':>10}")
+    base = results.get("dense+radix", {})
     for name, r in results.items():
-        speed = f"{base / r['wall_s']:.2f}x" if base else "-"
-        print(f"{name:<14}{r['wall_s']:>9.1f}{r['prefilled_tokens']:>11}{r['reused_tokens']:>9}"
-              f"{r['peak_kv_occupied']:>9}{speed:>10}")
+        speed = f"{base['wall_s'] / r['wall_s']:.2f}x" if base else "-"
+        same = "-"
+        if base and name.startswith("dense+prune"):
+            pairs = list(zip(base["final_answers"], r["final_answers"]))
+            same = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
+        print(f"{name:<17}{r['wall_s']:>8.1f}{r['prefilled_tokens']:>11}{r['reused_tokens']:>9}"
+              f"{r['peak_kv_occupied']:>9}{r['kv_occupied_at_end']:>10}{r['prunes']['freed_slots']:>7}{same:>12}{speed:>10}")
     path = write_json(args.out, {"command": "python " + " ".join(sys.argv), "machine": platform.platform(),
                                  "settings": {k: v for k, v in vars(args).items()}, "results": results})
     print(f"wrote {path}")

@@ -112,3 +112,31 @@ def test_snapkv_compacts_on_the_gpu_pool(model, request):
     after = stats(srv)
     assert after["counters"]["slots_released"] - before["counters"]["slots_released"] == 6 * (4000 - budget)
     assert after["kv_free_slots"] == after["kv_total_slots"]
+
+
+def _prune_and_continue(srv, ids):
+    generate(srv, ids, 1)
+    free = stats(srv)["kv_free_slots"]
+    rec = requests.post(srv.base_url + "/prune", timeout=600, json={
+        "token_ids": ids, "ranges": [[100, 400]], "keep_tokens": 60, "policy": "kvzip", "wait": True}).json()
+    assert (rec["status"], rec["retained_tokens"], rec["freed_slots"]) == ("completed", 60, 240), rec
+    assert stats(srv)["kv_free_slots"] - free == 240
+    out = generate(srv, ids + [5, 6, 7], 16)
+    assert out["meta_info"]["cached_tokens"] >= 600
+    s = stats(srv)
+    assert s["integrity"]["ok"], s["integrity"]
+    return out["output_ids"]
+
+
+def test_prune_on_the_gpu_with_graphs_equals_eager(model, request):
+    """/prune with dense on the Triton backend: the probe's scores are recorded, the pruned path
+    frees exactly, and a request on it decodes the same tokens with CUDA graphs as eager (its
+    RoPE offset reaches graph replay)."""
+    ids = prompts(600, 1)[0]
+    args = ["--model-path", model, *COMMON]
+    graphs = start_server(args, request)
+    with_graphs = _prune_and_continue(graphs, ids)
+    graphs.stop()
+    eager = start_server(args + ["--disable-cuda-graph"], request)
+    assert _prune_and_continue(eager, ids) == with_graphs
+    eager.stop()
