@@ -142,6 +142,10 @@ def test_errors_have_their_codes_and_leave_other_requests_alone(server):
     for prompt, chain_id, code, msg in cases:
         got, body = gen(server, prompt, 4, chain_id)
         assert got == code and msg in body["message"], body
+    # no capacity: the chain's rows + the suffix + 6000 output tokens exceed the 4096-slot pool
+    got, body = gen(server, p1 + o1["output_ids"] + ids(5, 9), 6000, cid)
+    assert got == 503 and "the pool has 4096" in body["message"], body
+    assert chain(server, cid)["status"] == "idle"  # refused, not lost
     # busy: a second request on a chain that is running
     box = {}
     long = threading.Thread(target=lambda: box.update(r=gen(server, p1 + o1["output_ids"] + ids(10, 7), 300, cid)))

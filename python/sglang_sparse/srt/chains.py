@@ -36,7 +36,8 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_sparse.core.chain_index import ChainBusy, ChainCacheIndex, ChainError, ChainStatus, fingerprint
+from sglang_sparse.core.chain_index import (ChainBusy, ChainCacheIndex, ChainError, ChainStatus, NoChainCapacity,
+                                             fingerprint)
 from sglang_sparse.core.retained import RetainedMap
 from sglang_sparse.srt import prune, state
 
@@ -122,15 +123,32 @@ def after_create_req(req, scheduler, recv_req, *args, **kwargs):
         elif chain_id is None:
             req.sparse_chain = ReqChain(idx.start(state.chain_fingerprint).chain_id, "created", 0)
         else:
-            rec = idx.resume(str(chain_id), state.chain_fingerprint, list(req.origin_input_ids))
+            tokens = list(req.origin_input_ids)
+            _check_capacity(scheduler, idx.check_continuation(str(chain_id), state.chain_fingerprint, tokens),
+                            req)
+            rec = idx.resume(str(chain_id), state.chain_fingerprint, tokens)
             req.sparse_chain = ReqChain(rec.chain_id, "resumed", rec.boundary, rec.payload)
     except ChainError as err:
         req.set_finish_with_abort(err.message, status_code=err.status, err_type=type(err).__name__)
+        # SGLang finishes an aborted request through a 1-token prefill, admitted like any other:
+        # its output reservation must not keep it waiting (a 503 is about exactly that)
+        req.sampling_params.max_new_tokens = 1
         return None
     ch = req.sparse_chain
     info = {"chain_id": ch.chain_id, "chain_status": ch.status, "reused_tokens": ch.reused}
     req.customized_info = {**(req.customized_info or {}), INFO_KEY: [info]}
     return None
+
+
+def _check_capacity(scheduler, rec, req) -> None:
+    """503 for a continuation the KV pool can never hold (its chain's rows + the new suffix + the
+    output it asks for), even with every other chain reclaimed; the chain stays idle."""
+    need = rec.rows + len(req.origin_input_ids) - rec.boundary + (req.sampling_params.max_new_tokens or 0)
+    total = int(scheduler.max_total_num_tokens)
+    if need > total:
+        raise NoChainCapacity(f"chain {rec.chain_id}: the continuation needs {need} KV slots ({rec.rows} kept, "
+                              f"{len(req.origin_input_ids) - rec.boundary} new, {req.sampling_params.max_new_tokens} "
+                              f"to generate) and the pool has {total}")
 
 
 def session_chain_id(session_id: str) -> str:
@@ -325,6 +343,7 @@ def reclaim_for(scheduler, running_batch=None) -> None:
     idx = state.chains
     if idx is None or not scheduler.waiting_queue or not idx.idle_rows():
         return
+    # (a request refused at arrival is admitted too, for its one-token abort; it asks for 1 token)
     req = scheduler.waiting_queue[0]
     prompt = len(req.origin_input_ids)
     need = prompt + 1 + state.controller.oracle.decode_reserve(prompt, req.sampling_params.max_new_tokens or 0)
