@@ -1,32 +1,37 @@
-"""Chain Cache inside SGLang's scheduler (issue 5, first slice: evicting methods over /generate).
+"""Chain Cache inside SGLang's scheduler (``docs/chain_cache.md``).
 
 A request names its chain with a top-level ``chain_id`` (``/generate`` and the OpenAI endpoints)
 or ``sampling_params.custom_params.chain_id`` (the one per-request field SGLang carries to the
-scheduler; the top-level form is moved there in the main process); without one it starts a chain. Every response's
-``meta_info`` gets ``chain_id``, ``chain_status`` (created|resumed) and ``reused_tokens``.
+scheduler; the top-level form is moved there in the main process); without one it starts a
+chain. Every response's ``meta_info`` (and OpenAI ``usage``) gets ``chain_id``, ``chain_status``
+(created|resumed) and ``reused_tokens``.
 
-Life of a chain's KV (``core.chain_index`` holds the records):
+Life of a chain's KV (``core.chain_index`` holds the records; ``srt/radix.py`` calls in):
 
-- **park** (AROUND ``UnifiedRadixCache.claim_kv_row``, the hook SGLang's streaming sessions use to
-  keep a finished request's row): a normally finished request keeps its resident rows ``[0, P)``
-  (over-allocated rows past P are freed) and its req_to_token row; the record stores SGLang's
-  ``ReqKvInfo``, the RetainedMap and the method metadata (snapshotted by ``before_release``
-  before the controller forgets the request). Parked rows are reported through
+- **park** (methods that evict; ``SparseRadixCache.claim_kv_row``, the hook SGLang's streaming
+  sessions use to keep a finished request's row): a normally finished request keeps its resident
+  rows ``[0, P)`` (over-allocated rows past P are freed) and its req_to_token row; the record
+  stores SGLang's ``ReqKvInfo``, the RetainedMap and the method metadata (snapshotted by
+  ``before_release`` before the controller forgets the request). Parked rows are reported through
   ``session_records`` so SGLang's idle leak checks count them.
-- **lend** (AROUND ``UnifiedRadixCache.match_prefix``): a continuation borrows the record; the
-  match says N = processed logical tokens, so SGLang prefills only the suffix ``[N, len)``.
-- **rows vs logical** (AFTER ``ScheduleBatch.prepare_for_extend``): SGLang writes the suffix
-  slots at ``row[N:N+s]`` and counts N prefix rows; the request really holds P <= N rows, so
-  the slots move to ``row[P:P+s]``, the batch lengths become rows, and ``state.pos_offset``
-  gets N - P (RoPE positions stay logical, see ``step_hooks.before_model_forward``).
-- an aborted or retracted request invalidates its chain (its rows are freed by SGLang, since
-  the request owned them while it ran); idle chains are reclaimed least recently used when a
-  waiting request does not fit (``reclaim_for``).
+- **pin** (full-KV methods, radix tree on; ``SparseRadixCache.on_release``): the request's KV
+  goes into the tree as usual and the chain holds a lock on that path; a continuation matches
+  through the tree.
+- **lend** (``SparseRadixCache.match_prefix``, first): a continuation of a parked chain borrows
+  the record; the match says N = processed logical tokens, so SGLang prefills only ``[N, len)``.
+- **rows vs logical** (AFTER ``ScheduleBatch.prepare_for_extend``; also for requests on a pruned
+  radix path): SGLang writes the suffix slots at ``row[N:N+s]`` and counts N prefix rows; the
+  request really holds P <= N rows, so the slots move to ``row[P:P+s]``, the batch lengths
+  become rows, and ``state.pos_offset`` gets N - P (RoPE positions stay logical, see
+  ``step_hooks.before_model_forward``).
+- an aborted, cancelled or retracted request invalidates its chain; idle chains are reclaimed
+  least recently used when a waiting request does not fit (``reclaim_for``); a continuation the
+  pool can never hold gets 503.
 
-Admin: ``GET /chain`` (with ``check_integrity``), ``GET /chain/{id}``, ``DELETE /chain/{id}``
-(``srt/status.py``; deletion rides SGLang's dumper-control round trip). SGLang sessions
-(``/open_session``, ``session_params``) are chains named ``session-<id>``. Not yet: OpenAI
-``usage`` fields, chains for full-KV methods (they reuse prefixes through the radix cache).
+Admin: ``GET /chain``, ``GET /chain/{id}``, ``DELETE /chain/{id}`` (``srt/status.py``; mutations
+ride SGLang's dumper-control round trip, ``around_dumper_control``, shared with ``/prune``).
+SGLang sessions (``/open_session``, ``session_params``) are chains named ``session-<id>``.
+``check_integrity`` is the slot census behind ``/sparse/stats``.
 """
 
 from __future__ import annotations
@@ -42,7 +47,6 @@ from sglang_sparse.core.retained import RetainedMap
 from sglang_sparse.srt import prune, state
 
 CREATE_TARGET = "sglang.srt.managers.scheduler.Scheduler._create_generation_req"
-CACHE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
 EXTEND_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
 META_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.update_request_meta_info"
 CONTROL_TARGET = "sglang.srt.managers.scheduler.Scheduler.handle_dumper_control"
@@ -124,9 +128,8 @@ def after_create_req(req, scheduler, recv_req, *args, **kwargs):
             req.sparse_chain = ReqChain(idx.start(state.chain_fingerprint).chain_id, "created", 0)
         else:
             tokens = list(req.origin_input_ids)
-            _check_capacity(scheduler, idx.check_continuation(str(chain_id), state.chain_fingerprint, tokens),
-                            req)
-            rec = idx.resume(str(chain_id), state.chain_fingerprint, tokens)
+            _check_capacity(scheduler, idx.check_continuation(str(chain_id), state.chain_fingerprint, tokens), req)
+            rec = idx.resume(str(chain_id), state.chain_fingerprint, tokens)  # checks again: cheap
             req.sparse_chain = ReqChain(rec.chain_id, "resumed", rec.boundary, rec.payload)
     except ChainError as err:
         req.set_finish_with_abort(err.message, status_code=err.status, err_type=type(err).__name__)

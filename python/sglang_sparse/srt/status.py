@@ -43,7 +43,6 @@ def scheduler_stats(scheduler) -> dict | None:
     if state.controller is None:
         return None
     stats = state.controller.stats()
-    cached = int(scheduler.tree_cache.evictable_size())  # radix-cached, unreferenced slots
     return {
         "method": stats["method"],
         "kv_total_slots": int(scheduler.max_total_num_tokens),
@@ -86,11 +85,8 @@ def _add_scheduler_record(result, controller, *args, **kwargs):
     record["stats"] = scheduler_stats(controller.scheduler)
     from sglang_sparse.srt import state
 
-    from sglang_sparse.srt import chains
-
     if state.chains is not None:
         record["chains"] = [rec.describe() for rec in state.chains.chains.values()]
-    record["chain_integrity"] = chains.check_integrity(controller.scheduler)
     result.internal_state["sglang_sparse"] = record
     return result
 
@@ -133,7 +129,7 @@ async def list_chains():
     """GET /chain: every chain of scheduler 0 (status, processed tokens, retained rows, last use)
     and the slot census (``integrity``: no KV slot owned twice or lost)."""
     record = await _chain_state()
-    return {"chains": record.get("chains") or [], "integrity": record.get("chain_integrity")}
+    return {"chains": record.get("chains") or [], "integrity": (record.get("stats") or {}).get("integrity")}
 
 
 async def get_chain(chain_id: str):
