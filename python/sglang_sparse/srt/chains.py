@@ -73,6 +73,7 @@ class Pinned:
     cache: Any
     node: Any
     retained: int
+    tokens: int  # logical tokens of the pinned path (the boundary rounded down to KV pages)
 
 
 @dataclass
@@ -130,7 +131,7 @@ def after_create_req(req, scheduler, recv_req, *args, **kwargs):
             tokens = list(req.origin_input_ids)
             _check_capacity(scheduler, idx.check_continuation(str(chain_id), state.chain_fingerprint, tokens), req)
             rec = idx.resume(str(chain_id), state.chain_fingerprint, tokens)  # checks again: cheap
-            req.sparse_chain = ReqChain(rec.chain_id, "resumed", rec.boundary, rec.payload)
+            req.sparse_chain = ReqChain(rec.chain_id, "resumed", _reused(rec), rec.payload)
     except ChainError as err:
         req.set_finish_with_abort(err.message, status_code=err.status, err_type=type(err).__name__)
         # SGLang finishes an aborted request through a 1-token prefill, admitted like any other:
@@ -141,6 +142,12 @@ def after_create_req(req, scheduler, recv_req, *args, **kwargs):
     info = {"chain_id": ch.chain_id, "chain_status": ch.status, "reused_tokens": ch.reused}
     req.customized_info = {**(req.customized_info or {}), INFO_KEY: [info]}
     return None
+
+
+def _reused(rec) -> int:
+    """Logical tokens a continuation takes from the chain: its processed boundary, or for a
+    pinned full-KV chain what the tree holds of it (whole KV pages)."""
+    return min(rec.boundary, rec.payload.tokens) if isinstance(rec.payload, Pinned) else rec.boundary
 
 
 def _check_capacity(scheduler, rec, req) -> None:
@@ -168,7 +175,7 @@ def _session_chain(idx: ChainCacheIndex, session, req) -> ReqChain:
     if rec is not None and rec.status is ChainStatus.IDLE:
         try:
             rec = idx.resume(cid, state.chain_fingerprint, list(req.origin_input_ids))
-            return ReqChain(cid, "resumed", rec.boundary, rec.payload)
+            return ReqChain(cid, "resumed", _reused(rec), rec.payload)
         except ChainError:
             pass
     if rec is not None and rec.status is ChainStatus.ACTIVE:
@@ -322,9 +329,11 @@ def pin_path(cache, req) -> None:
         return
     node = req.last_node
     cache.tree.lock(node)
-    retained = int(cache.tree.path_slots(node)[0].numel())
+    path = cache.tree.path(node)
+    retained = sum(n.retained for n in path)
     tokens = (list(req.origin_input_ids) + list(req.output_ids))[: park.retained.logical_len]
-    state.chains.park(req.sparse_chain.chain_id, tokens, Pinned(cache, node, retained), retained)
+    pinned = Pinned(cache, node, retained, sum(len(n.key) for n in path))
+    state.chains.park(req.sparse_chain.chain_id, tokens, pinned, retained)
 
 
 def parked_records() -> dict:
