@@ -42,3 +42,14 @@ def start_server(args, request, module="sglang_sparse.launch_server", env=None, 
     request.addfinalizer(server.stop)
     server.start(timeout=timeout)
     return server
+
+
+def assert_every_slot_owned_once(server) -> None:
+    """Idle server on the logical radix cache: the slot census is clean and free + cached
+    (evictable) + locked or pinned (protected) slots make up the whole pool."""
+    import requests
+
+    s = requests.get(server.base_url + "/sparse/stats", timeout=60).json()
+    assert s["integrity"]["ok"], s["integrity"]
+    radix = s["radix"]
+    assert s["kv_free_slots"] + radix["evictable_slots"] + radix["protected_slots"] == s["kv_total_slots"]

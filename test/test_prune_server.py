@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import start_server
+from conftest import assert_every_slot_owned_once, start_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
 from bench_niah import KEYS, NEEDLE, build_prompt, essays_tokens  # noqa: E402
@@ -73,10 +73,7 @@ def inspect(server, ids):
 @pytest.fixture(autouse=True)
 def every_slot_accounted(server):
     yield
-    s = stats(server)
-    assert s["integrity"]["ok"], s["integrity"]
-    r = s["radix"]
-    assert s["kv_free_slots"] + r["evictable_slots"] + r["protected_slots"] == s["kv_total_slots"]
+    assert_every_slot_owned_once(server)
 
 
 def test_bad_input_gets_a_4xx_and_changes_nothing(server, tok, haystack):

@@ -11,7 +11,7 @@ import time
 import pytest
 import requests
 
-from conftest import start_server
+from conftest import assert_every_slot_owned_once, start_server
 
 POOL = 1536
 ARGS = ["--max-total-tokens", str(POOL), "--chunked-prefill-size", "256", "--log-level", "warning",
@@ -45,11 +45,7 @@ def ids(n, seed):
 @pytest.fixture(autouse=True)
 def every_slot_accounted(server):
     yield
-    s = stats(server)
-    assert s["integrity"]["ok"], s["integrity"]
-    radix = s["radix"]
-    # idle: free + cached (evictable) + pinned by idle chains (protected) == the pool
-    assert s["kv_free_slots"] + radix["evictable_slots"] + radix["protected_slots"] == s["kv_total_slots"]
+    assert_every_slot_owned_once(server)
 
 
 def test_backend_is_the_logical_radix_cache(server):
