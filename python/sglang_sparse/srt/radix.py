@@ -135,8 +135,7 @@ class SparseRadixCache(UnifiedRadixCache):
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
         own = row[protected: end - gap].to(torch.int64).cpu()
         ins = self.tree.insert(tokens[:end], start, own, (req.extra_key, req.cache_salt))
-        if ins.duplicates.numel():
-            self.token_to_kv_pool_allocator.free(ins.duplicates.to(self._device))
+        self.free_tree_slots(ins.duplicates)
         done = ins.end - start
         row[protected: protected + done] = ins.row_slots.to(row.device, row.dtype)
         kv.cache_protected_len = protected + done
@@ -177,8 +176,7 @@ class SparseRadixCache(UnifiedRadixCache):
     # -- capacity ------------------------------------------------------------------------------
     def evict(self, params: EvictParams) -> EvictResult:
         freed = self.tree.evict(params.num_tokens)
-        if freed.numel():
-            self.token_to_kv_pool_allocator.free(freed.to(self._device))
+        self.free_tree_slots(freed)
         return EvictResult(num_tokens_evicted=int(freed.numel()))
 
     def evict_for_alloc(self, params: EvictParams, *, allocation_reclaim_satisfied=None) -> EvictResult:
