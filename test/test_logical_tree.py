@@ -242,10 +242,16 @@ class TreeMachine(RuleBasedStateMachine):
     def running_paths_are_attached(self):
         for r in self.running.values():
             node = r["node"]
+            if node.parent is None:
+                continue  # matched nothing: an empty root, stored only once something is cached under it
             while node.parent is not None:
                 assert node.lock_ref > 0
                 node = node.parent
             assert node in self.tree.roots.values()
+
+    @invariant()
+    def no_empty_root_is_kept(self):
+        assert all(r.children for r in self.tree.roots.values())
 
 
 class PagedTreeMachine(TreeMachine):
@@ -256,3 +262,18 @@ TestTreeMachine = TreeMachine.TestCase
 TestTreeMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestPagedTreeMachine = PagedTreeMachine.TestCase
 TestPagedTreeMachine.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
+
+
+def test_lookups_under_new_namespaces_leave_no_roots():
+    """Client-chosen extra_key / cache_salt values must not grow the tree: a miss stores nothing,
+    and evicting a namespace's last entry drops its root."""
+    tree = LogicalRadixTree(page_size=1)
+    for salt in range(10_000):
+        assert tree.match([1, 2, 3], ("k", salt)).length == 0
+    assert tree.roots == {}
+    ins = tree.insert([5, 6, 7], 0, torch.tensor([10, 11, 12]), ("k", "a"))
+    assert ins.end == 3 and list(tree.roots) == [("k", "a")]
+    assert tree.match([5, 6], ("k", "a")).length == 2
+    assert sorted(tree.evict(100).tolist()) == [10, 11, 12]
+    assert tree.roots == {}
+    tree.check()

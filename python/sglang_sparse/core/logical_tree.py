@@ -48,6 +48,7 @@ class Node:
     last_use: int = 0
     priority: int = 0
     records: list = field(default_factory=list)  # pruning records covering this node
+    namespace: Any = None  # roots only: the extra_key they are stored under
 
     @property
     def retained(self) -> int:
@@ -84,10 +85,15 @@ class LogicalRadixTree:
         self._clock = itertools.count(1)
 
     # ---- structure -------------------------------------------------------------------------
-    def root(self, extra_key: Any = None) -> Node:
+    def root(self, extra_key: Any = None, create: bool = True) -> Node:
+        """The root of a namespace. Roots exist only while something is cached under them
+        (``_remove_leaf`` drops an emptied one); ``create=False`` gives a lookup of a namespace
+        with nothing cached an unstored empty root, so client-chosen keys cannot grow the tree."""
         node = self.roots.get(extra_key)
         if node is None:
-            node = self.roots[extra_key] = Node(lock_ref=1)  # the root is never evicted
+            node = Node(lock_ref=1, namespace=extra_key)  # a root is never evicted
+            if create:
+                self.roots[extra_key] = node
         return node
 
     def is_root(self, node: Node) -> bool:
@@ -146,7 +152,7 @@ class LogicalRadixTree:
     def match(self, tokens: Sequence[int], extra_key: Any = None) -> Match:
         """Longest page-aligned logical prefix of ``tokens`` in the tree (splits the last node
         when the match ends inside it, so the returned node ends exactly at N)."""
-        node, pos, now = self.root(extra_key), 0, next(self._clock)
+        node, pos, now = self.root(extra_key, create=False), 0, next(self._clock)
         tokens = tokens[: self._aligned(len(tokens))]
         node.last_use = now
         while pos < len(tokens):
@@ -172,7 +178,7 @@ class LogicalRadixTree:
         its own slots from there (``end`` says where)."""
         L = self._aligned(len(tokens))
         assert 0 <= start <= L and slots.numel() >= L - start, (start, L, slots.numel())
-        node, pos, now = self.root(extra_key), 0, next(self._clock)
+        node, pos, now = self.root(extra_key, create=False), 0, next(self._clock)
         row, dups = [], []
         while pos < L:
             child = node.children.get(self._first(tokens[pos:L]))
@@ -199,6 +205,8 @@ class LogicalRadixTree:
             new = Node(key=tuple(tokens[pos:L]), slots=slots[pos - start: L - start].clone(),
                        parent=node, last_use=now)
             node.children[self._first(new.key)] = new
+            if node.parent is None:  # the namespace's first entry: its root is stored from now on
+                self.roots.setdefault(extra_key, node)
             self.evictable += new.retained
             row.append(new.slots)
             node, pos = new, L
@@ -224,7 +232,10 @@ class LogicalRadixTree:
             node = node.parent
 
     def _remove_leaf(self, node: Node) -> torch.Tensor:
-        del node.parent.children[self._first(node.key)]
+        parent = node.parent
+        del parent.children[self._first(node.key)]
+        if parent.parent is None and not parent.children and self.roots.get(parent.namespace) is parent:
+            del self.roots[parent.namespace]
         self.evictable -= node.retained
         freed, node.slots = node.slots, _EMPTY
         return freed

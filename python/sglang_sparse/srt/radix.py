@@ -208,7 +208,7 @@ class SparseRadixCache(UnifiedRadixCache):
         return isinstance(node, Node) and node.parent is None
 
     def root_node_handle(self, extra_key=None):
-        return self.tree.root((extra_key, None))
+        return self.tree.root((extra_key, None), create=False)
 
     def pretty_print(self) -> None:
         print(f"sglang_sparse radix tree: {sum(1 for _ in self.tree.nodes())} nodes, "
