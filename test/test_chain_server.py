@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -239,3 +240,65 @@ def test_prune_is_refused_for_a_method_that_evicts(server):
     resp = requests.post(server.base_url + "/prune", timeout=60, json={
         "token_ids": ids(64, 30), "ranges": [[0, 16]], "keep_ratio": 0.5})
     assert resp.status_code == 409 and "radix cache is off" in resp.text, resp.text
+
+
+def test_unknown_chains_in_a_concurrent_batch_leave_the_others_served(server):
+    """Eight requests at once, half naming unknown chains: the refused ones finish in the same
+    prefill batch as the others (one token each), whose chain fields SGLang pads with None for
+    them. That killed the tokenizer process; now every request gets its answer."""
+    def one(i):
+        body = {"input_ids": ids(40, 40 + i), "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        if i % 2:
+            body["chain_id"] = f"chain-missing-{i}"
+        resp = requests.post(server.base_url + "/generate", json=body, timeout=300)
+        return resp.status_code, resp.json()
+
+    for _ in range(2):
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(one, range(8)))
+        for i, (code, body) in enumerate(results):
+            if i % 2:
+                assert code == 404 and body["message"] == f"unknown chain 'chain-missing-{i}'", body
+            else:
+                assert code == 200 and body["meta_info"]["chain_status"] == "created", body
+    assert_rows_accounted(server)
+
+
+def test_stats_count_what_idle_chains_hold(server):
+    """After the requests finish, their compacted KV sits in idle chains: logical and retained
+    tokens count it (by owner), with the compression ratio."""
+    _, out = gen(server, ids(400, 50), 3)
+    rec = chain(server, out["meta_info"]["chain_id"])
+    s = stats(server)
+    owners = s["by_owner"]
+    assert owners["requests"] == {"logical_tokens": 0, "retained_tokens": 0}
+    assert owners["chains"]["retained_tokens"] == s["chain_idle_rows"] >= rec["retained_rows"] == BUDGET + 2
+    assert owners["chains"]["logical_tokens"] >= rec["processed_tokens"] == 402
+    assert s["logical_tokens"] == sum(o["logical_tokens"] for o in owners.values())
+    assert s["retained_tokens"] == sum(o["retained_tokens"] for o in owners.values())
+    assert s["compression_ratio"] == round(s["logical_tokens"] / s["retained_tokens"], 3) > 1
+
+
+def test_a_retry_right_after_a_cancel_finds_the_chain_gone(server):
+    """A client gives up on a turn (its connection closes) and retries at once: the chain the
+    cancelled turn was continuing is lost (410), not busy (409) for the seconds SGLang takes to
+    notice the closed connection."""
+    p1 = ids(200, 60)
+    _, o1 = gen(server, p1, 4)
+    cid = o1["meta_info"]["chain_id"]
+    p2 = p1 + o1["output_ids"] + ids(8, 61)
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        gen(server, p2, 2000, cid, timeout=2.0)  # still decoding when the client leaves
+    code, body = gen(server, p2, 2, cid)
+    assert code == 410 and "its request was aborted" in body["message"], body
+    _wait_idle(server)
+    assert chain(server, cid)["status"] == "invalidated"
+    assert_rows_accounted(server)
+
+
+def _wait_idle(server, timeout=120):
+    for _ in range(int(timeout / 0.2)):
+        if stats(server)["running_requests"] == 0:
+            return
+        threading.Event().wait(0.2)
+    raise AssertionError("requests still running")

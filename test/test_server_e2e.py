@@ -185,3 +185,18 @@ def test_bad_sparse_flags_are_refused_at_start(request, flags, message):
     with pytest.raises(ServerStartError) as err:
         start_server(flags, request, timeout=120)
     assert f"sglang_sparse: error: {message}" in str(err.value)
+
+
+def test_chain_id_means_the_same_for_every_method(server):
+    """Dense with --chain-cache auto has no chains: a request naming one is refused with the way
+    to turn them on (an evicting method would answer 404 for an unknown chain, not ignore it)."""
+    for path, body in [
+        ("/generate", {"text": "Hi", "chain_id": "chain-1", "sampling_params": {"max_new_tokens": 2}}),
+        ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 2, "custom_params": {"chain_id": "c"}}}),
+        ("/v1/completions", {"model": "default", "prompt": "Hi", "max_tokens": 2, "chain_id": "chain-1"}),
+        ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "Hi"}],
+                                  "max_tokens": 2, "chain_id": "chain-1", "stream": True}),
+    ]:
+        resp = requests.post(server.base_url + path, json=body, timeout=120)
+        assert resp.status_code == 400, resp.text
+        assert "Chain Cache is off" in resp.text and "--chain-cache on" in resp.text, resp.text

@@ -31,13 +31,13 @@ Life of a chain's KV (``core.chain_index`` holds the records; ``srt/radix.py`` c
 Admin: ``GET /chain``, ``GET /chain/{id}``, ``DELETE /chain/{id}`` (``srt/status.py``; mutations
 ride SGLang's dumper-control round trip, ``around_dumper_control``, shared with ``/prune``).
 SGLang sessions (``/open_session``, ``session_params``) are chains named ``session-<id>``.
-``check_integrity`` is the slot census behind ``/sparse/stats``.
 """
 
 from __future__ import annotations
 
 import contextvars
 import copy
+from http import HTTPStatus
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,6 +120,8 @@ def after_create_req(req, scheduler, recv_req, *args, **kwargs):
     params = req.sampling_params.custom_params
     if isinstance(params, dict) and prune.PROBE_KEY in params:
         return None  # a pruning probe belongs to no chain
+    if req.sampling_params.max_new_tokens == 0:
+        return None  # SGLang's prefix warm-up before parallel samples (n > 1): no chain of its own
     chain_id = params.get("chain_id") if isinstance(params, dict) else None
     session = getattr(req, "session", None)
     try:
@@ -133,7 +135,7 @@ def after_create_req(req, scheduler, recv_req, *args, **kwargs):
             rec = idx.resume(str(chain_id), state.chain_fingerprint, tokens)  # checks again: cheap
             req.sparse_chain = ReqChain(rec.chain_id, "resumed", _reused(rec), rec.payload)
     except ChainError as err:
-        req.set_finish_with_abort(err.message, status_code=err.status, err_type=type(err).__name__)
+        req.set_finish_with_abort(err.message, status_code=HTTPStatus(err.status), err_type=type(err).__name__)
         # SGLang finishes an aborted request through a 1-token prefill, admitted like any other:
         # its output reservation must not keep it waiting (a 503 is about exactly that)
         req.sampling_params.max_new_tokens = 1
@@ -300,6 +302,26 @@ def before_release_aborted(scheduler, req, *args, **kwargs):
     return None
 
 
+def after_abort_request(result, scheduler, recv_req, *args, **kwargs):
+    """An abort of a request on a chain (a cancelled client, ``/abort_request``) invalidates the
+    chain at once: the request itself finishes one step later and frees its rows then, but a
+    retry already queued behind the abort must find the chain gone (410), not busy (409)."""
+    from sglang_sparse.srt.integrity import scheduler_requests
+
+    idx = state.chains
+    if idx is None:
+        return None
+    for req in scheduler_requests(scheduler):
+        ch = getattr(req, "sparse_chain", None)
+        if ch is None or req.finished():  # SGLang ignores aborts of finished requests: they park
+            continue
+        if recv_req.abort_all or req.rid.startswith(recv_req.rid):
+            rec = idx.chains.get(ch.chain_id)
+            if rec is not None and rec.status is ChainStatus.ACTIVE:
+                idx.invalidate(ch.chain_id, "its request was aborted")
+    return None
+
+
 def park_row(cache, req) -> bool:
     """``SparseRadixCache.claim_kv_row``: keep a finished chain request's rows (radix tree off),
     or pin its radix path once SGLang has inserted it (tree on, see ``pin_path``)."""
@@ -336,14 +358,18 @@ def pin_path(cache, req) -> None:
     state.chains.park(req.sparse_chain.chain_id, tokens, pinned, retained)
 
 
+def parked() -> list:
+    """Chain records whose parked rows the chain still holds: idle chains, and chains resumed by
+    a request that has not been admitted yet (the rows are lent to it only at admission)."""
+    if state.chains is None:
+        return []
+    return [rec for rec in state.chains.chains.values()
+            if isinstance(rec.payload, Parked) and rec.payload.kv is not None and rec.payload.kv.holds_kv]
+
+
 def parked_records() -> dict:
     """Parked rows, reported to SGLang's leak checks as session-held (``session_records``)."""
-    records = {}
-    if state.chains is not None:
-        for rec in state.chains.chains.values():
-            if rec.status is ChainStatus.IDLE and isinstance(rec.payload, Parked):
-                records[f"{INFO_KEY}:{rec.chain_id}"] = rec.payload.kv
-    return records
+    return {f"{INFO_KEY}:{rec.chain_id}": rec.payload.kv for rec in parked()}
 
 
 def reclaim_for(scheduler, running_batch=None) -> None:
@@ -369,42 +395,7 @@ def reclaim_for(scheduler, running_batch=None) -> None:
     scheduler._sparse_refused_head = req.rid
 
 
-# -- integrity and admin ----------------------------------------------------------------------------
-def check_integrity(scheduler) -> dict:
-    """Walk the allocator, the radix tree, the running requests and the idle chains: every KV
-    slot of the pool must have exactly one owner: the free list, a tree node (its retained
-    slots), a request's own rows ``[cache_protected_len, kv_allocated_len)`` (rows before
-    ``cache_protected_len`` are tree slots), or an idle chain's parked rows."""
-    import torch
-
-    alloc = scheduler.token_to_kv_pool_allocator
-    table = scheduler.req_to_token_pool.req_to_token
-    owned, problems = [], []
-    reqs = list(scheduler.running_batch.reqs) + ([scheduler.chunked_req] if scheduler.chunked_req else [])
-    spans = [(r.kv, r.kv.cache_protected_len) for r in reqs if r.kv.holds_kv]
-    if state.chains is not None:
-        spans += [(rec.payload.kv, 0) for rec in state.chains.chains.values()
-                  if rec.status is ChainStatus.IDLE and isinstance(rec.payload, Parked)]
-    for kv, start in spans:
-        owned.append(table[kv.req_pool_idx, start: kv.kv_allocated_len].to(torch.int64).cpu())
-    tree = getattr(scheduler.tree_cache, "tree", None)
-    if tree is not None:
-        try:
-            owned.append(tree.check())
-        except AssertionError as err:
-            problems.append(f"radix tree: {err}")
-    page = alloc.page_size
-    free_pages = alloc.get_all_free_pages().to(torch.int64).cpu()
-    free = (free_pages.view(-1, 1) * page + torch.arange(page)).flatten()
-    total = int(scheduler.max_total_num_tokens)
-    # page 0 (slot 0, the padding slot, and the rest of its page) is never allocated
-    counts = torch.bincount(torch.cat(owned + [free]), minlength=total + page)[page: total + page]
-    twice, lost = int((counts > 1).sum()), int((counts == 0).sum())
-    return {"ok": twice == 0 and lost == 0 and not problems, "owned_twice": twice, "lost": lost,
-            "free": int(free.numel()), "owned": int(sum(o.numel() for o in owned)), "problems": problems,
-            "tree_retained": tree.total_retained() if tree is not None else 0}
-
-
+# -- admin ---------------------------------------------------------------------------------------
 CONTROL_PREFIX = "sglang_sparse/"
 
 
@@ -424,6 +415,9 @@ def around_dumper_control(original, scheduler, recv_req, *args, **kwargs):
     except Exception as err:  # reported to the caller; the scheduler goes on
         out = DumperControlReqOutput(success=False, response=[], error=repr(err))
     scheduler.ipc_channels.send_to_tokenizer.send_output(out, recv_req)
+    from sglang_sparse.srt import metrics
+
+    metrics.mark_changed()
     return None
 
 
@@ -442,10 +436,14 @@ def _control(scheduler, op: str, body: dict) -> dict:
 
 # -- response --------------------------------------------------------------------------------------
 def around_update_meta_info(original, manager, meta_info, state_, customized_info, index, *args, **kwargs):
+    """Move the chain fields from SGLang's per-token customized info into ``meta_info``. The
+    scheduler attaches them to a request's first output token; SGLang pads the other requests of
+    a batch (and later tokens) with None."""
     out = original(manager, meta_info, state_, customized_info, index, *args, **kwargs)
     values = meta_info.pop(INFO_KEY, None)
-    if values:
-        meta_info.update(values[0])
+    info = next((v for v in values if isinstance(v, dict)), None) if isinstance(values, list) else None
+    if info is not None:
+        meta_info.update(info)
     return out
 
 
@@ -456,49 +454,16 @@ def register_scheduler() -> list[str]:
     HookRegistry.register("sglang.srt.managers.scheduler.Scheduler._release_aborted_request",
                           before_release_aborted, HookType.BEFORE)
     HookRegistry.register(CLOSE_SESSION_TARGET, after_close_session, HookType.AFTER)
-    return ["hook:chain-arrival", "hook:chain-cancel-waiting", "hook:chain-sessions"]
-
-
-# -- a top-level `chain_id` in request bodies (main process) ----------------------------------------
-def _with_chain_id(sampling_params, chain_id):
-    """``sampling_params`` (None, a dict, or one per prompt) with ``custom_params.chain_id`` set."""
-    if isinstance(sampling_params, list):
-        return [_with_chain_id(sp, chain_id) for sp in sampling_params]
-    sp = dict(sampling_params or {})
-    sp["custom_params"] = {**(sp.get("custom_params") or {}), "chain_id": chain_id}
-    return sp
-
-
-async def _body_chain_id(request):
-    try:
-        body = await request.json()  # Starlette caches the parsed body
-    except Exception:
-        return None
-    return body.get("chain_id") if isinstance(body, dict) else None
-
-
-async def around_serve_generate(original, obj, request, *args, **kwargs):
-    """``/generate`` with ``"chain_id": ...`` at the top level: SGLang's request type has no such
-    field, so it is carried in ``sampling_params.custom_params`` like the explicit form."""
-    chain_id = await _body_chain_id(request)
-    if chain_id is not None:
-        obj.sampling_params = _with_chain_id(obj.sampling_params, str(chain_id))
-    return await original(obj, request, *args, **kwargs)
-
-
-async def around_openai_request(original, serving, request, raw_request, *args, **kwargs):
-    """OpenAI chat/completions with ``"chain_id"`` in the body (e.g. ``extra_body``)."""
-    chain_id = await _body_chain_id(raw_request)
-    if chain_id is not None:
-        request.custom_params = {**(request.custom_params or {}), "chain_id": str(chain_id)}
-    return await original(serving, request, raw_request, *args, **kwargs)
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.abort_request", after_abort_request,
+                          HookType.AFTER)
+    return ["hook:chain-arrival", "hook:chain-cancel-waiting", "hook:chain-sessions", "hook:chain-abort"]
 
 
 # -- OpenAI `usage` (main process) ----------------------------------------------------------------
 CHAIN_FIELDS = ("chain_id", "chain_status", "reused_tokens")
-# The chain fields of the request a streaming handler is serving: set while its generator runs
-# (an async generator runs in the context of the task that iterates it), read when the handler
-# builds the final usage chunk.
+# The chain fields of the request a streaming handler is serving, by choice index: filled while
+# its generator runs (an async generator runs in the context of the task that iterates it), read
+# when the handler builds the final usage chunk.
 _STREAM_CHAIN = contextvars.ContextVar("sglang_sparse_stream_chain", default=None)
 
 
@@ -518,33 +483,44 @@ def allow_usage_fields() -> None:
         getattr(protocol, name).model_rebuild(force=True)
 
 
+def _set_usage(usage, by_index: dict) -> None:
+    """One choice: ``chain_id`` / ``chain_status`` / ``reused_tokens``. Several (``n > 1``, each
+    its own chain): ``chains``, one entry per choice in index order."""
+    if len(by_index) == 1:
+        for k, v in next(iter(by_index.values())).items():
+            setattr(usage, k, v)
+    elif by_index:
+        usage.chains = [{"index": i, **by_index[i]} for i in sorted(by_index)]
+
+
 def around_generate_request(original, manager, obj, *args, **kwargs):
     outputs = original(manager, obj, *args, **kwargs)
 
     async def remember_chain():
+        seen: dict = {}
+        _STREAM_CHAIN.set(seen)
         async for out in outputs:
             for item in out if isinstance(out, list) else [out]:
                 fields = _fields(item.get("meta_info") if isinstance(item, dict) else None)
                 if fields:
-                    _STREAM_CHAIN.set(fields)
+                    seen[item.get("index", 0)] = fields
             yield out
 
     return remember_chain()
 
 
 def after_response_usage(usage, responses, *args, **kwargs):
-    for r in responses:
+    by_index = {}
+    for i, r in enumerate(responses):
         fields = _fields(r.get("meta_info"))
         if fields:
-            for k, v in fields.items():
-                setattr(usage, k, v)
-            break
+            by_index[r.get("index", i)] = fields
+    _set_usage(usage, by_index)
     return None
 
 
 def after_streaming_usage(usage, *args, **kwargs):
-    for k, v in (_STREAM_CHAIN.get() or {}).items():
-        setattr(usage, k, v)
+    _set_usage(usage, _STREAM_CHAIN.get() or {})
     return None
 
 
@@ -552,14 +528,10 @@ def register_main() -> list[str]:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(META_TARGET, around_update_meta_info, HookType.AROUND)
-    HookRegistry.register("sglang.srt.entrypoints.http_server.serve_generate_request", around_serve_generate,
-                          HookType.AROUND)
-    HookRegistry.register("sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request",
-                          around_openai_request, HookType.AROUND)
     usage = "sglang.srt.entrypoints.openai.usage_processor.UsageProcessor"
     HookRegistry.register(f"{usage}.calculate_response_usage", after_response_usage, HookType.AFTER)
     HookRegistry.register(f"{usage}.calculate_streaming_usage", after_streaming_usage, HookType.AFTER)
     HookRegistry.register("sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
                           around_generate_request, HookType.AROUND)
     allow_usage_fields()
-    return ["hook:chain-meta-info", "hook:chain-id-generate", "hook:chain-id-openai", "hook:chain-openai-usage"]
+    return ["hook:chain-meta-info", "hook:chain-openai-usage"]

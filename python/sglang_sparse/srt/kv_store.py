@@ -28,6 +28,11 @@ class SGLangKVStore:
     def free_count(self) -> int:
         return self.allocator.available_size()
 
+    def bytes_per_slot(self) -> int:
+        """Bytes one slot (one token's K and V in every layer) takes in the pool."""
+        return sum(self.k_buffer(layer)[0].nbytes + self.v_buffer(layer)[0].nbytes
+                   for layer in range(self.num_layers))
+
     def truncate_rows(self, req_row: int, n_rows: int) -> None:
         """Nothing to do on the table: rows ``[0, n_rows)`` keep their slots. SGLang's per-request
         lengths are patched by ``step_hooks.before_prepare_for_decode`` right after."""

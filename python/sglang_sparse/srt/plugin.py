@@ -38,11 +38,20 @@ def load() -> None:
     chain_cache = bool(activation.load_config().get("chain_cache"))
     if multiprocessing.current_process().name != "MainProcess":
         _register_runtime(chain_cache)
-    elif chain_cache:
+    else:
+        _register_main(chain_cache)
+    logger.info("sglang_sparse plugin loaded: %s", ", ".join(status.REGISTRATIONS))
+
+
+def _register_main(chain_cache: bool) -> None:
+    """HTTP side: request checks before SGLang takes a request, chain fields in responses."""
+    from sglang_sparse.srt import request_guard
+
+    status.REGISTRATIONS.extend(request_guard.register())
+    if chain_cache:
         from sglang_sparse.srt import chains
 
         status.REGISTRATIONS.extend(chains.register_main())
-    logger.info("sglang_sparse plugin loaded: %s", ", ".join(status.REGISTRATIONS))
 
 
 def _register_runtime(chain_cache: bool) -> None:
@@ -50,7 +59,7 @@ def _register_runtime(chain_cache: bool) -> None:
     MemoryOracle-driven admission and (when on) Chain Cache."""
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
 
-    from sglang_sparse.srt import admission, attention, prune, radix, step_hooks
+    from sglang_sparse.srt import admission, attention, integrity, metrics, prune, radix, step_hooks
 
     register_attention_backend("torch_native")(attention.create_backend)
     register_attention_backend("triton")(_create_triton_backend)
@@ -59,6 +68,8 @@ def _register_runtime(chain_cache: bool) -> None:
     status.REGISTRATIONS.extend(admission.register())
     status.REGISTRATIONS.extend(radix.register())
     status.REGISTRATIONS.extend(prune.register())
+    status.REGISTRATIONS.extend(integrity.register())
+    status.REGISTRATIONS.extend(metrics.register_scheduler())
     if chain_cache:
         from sglang_sparse.srt import chains
 

@@ -21,63 +21,70 @@ import itertools
 
 from fastapi import Request  # the handlers' annotation (FastAPI resolves it by name)
 
-PRUNES: dict[str, dict] = {}
+from sglang_sparse.core.pruning import POLICIES
+from sglang_sparse.srt import metrics
+from sglang_sparse.srt.admin_http import admin_route, control, json_body
+from sglang_sparse.validation import (RequestError, expect_bool, expect_int, expect_messages,
+                                      expect_number, expect_token_ids, is_int, optional_str, show)
+
+PRUNES: dict[str, dict] = {}  # job records for GET /prune/{id}: the newest KEEP_RECORDS
+KEEP_RECORDS = 1024
 _tasks: set = set()
 _local_ids = itertools.count(1)
 
 
-def _http(status: int, message: str):
-    from fastapi import HTTPException
-
-    return HTTPException(status_code=status, detail=message)
-
-
-async def _control(op: str, body: dict) -> dict:
+def _tokenizer_manager():
     from sglang.srt.entrypoints.http_server import get_global_state
-    from sglang.srt.managers.io_struct import DumperControlReqInput
 
-    tm = get_global_state().tokenizer_manager
-    outs = await tm.dumper_control(DumperControlReqInput(method=f"sglang_sparse/{op}", body=body))
-    out = outs[0]
-    if not out.success or not out.response:
-        raise _http(500, f"{op} failed in the scheduler: {out.error}")
-    result = out.response[0]
-    if isinstance(result.get("status"), int) and result["status"] >= 400:
-        raise _http(result["status"], result["message"])
-    return result
-
-
-async def _body(request) -> dict:
-    try:
-        body = await request.json()
-    except Exception:
-        raise _http(400, "the request body is not JSON") from None
-    if not isinstance(body, dict):
-        raise _http(400, "the request body must be a JSON object")
-    return body
+    return get_global_state().tokenizer_manager
 
 
 def _token_ids(body: dict) -> list[int]:
     """The cached sequence, from exactly one of token_ids, text, messages."""
-    from sglang.srt.entrypoints.http_server import get_global_state
-
     given = [k for k in ("token_ids", "text", "messages") if body.get(k) is not None]
     if len(given) != 1:
-        raise _http(400, "name the cached sequence with exactly one of token_ids, text or messages")
+        raise RequestError("token_ids", "name the cached sequence with exactly one of token_ids, text or messages"
+                                        + (f" (got {', '.join(given)})" if given else ""))
+    tm = _tokenizer_manager()
     if given[0] == "token_ids":
-        ids = body["token_ids"]
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise _http(400, "token_ids must be a list of integers")
-        return ids
-    tokenizer = get_global_state().tokenizer_manager.tokenizer
+        return expect_token_ids("token_ids", body["token_ids"], tm.model_config.vocab_size, tm.context_len)
     if given[0] == "text":
         if not isinstance(body["text"], str):
-            raise _http(400, "text must be a string")
-        return list(tokenizer.encode(body["text"]))
-    messages = body["messages"]
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise _http(400, "messages must be a list of chat messages ({role, content})")
-    return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False))
+            raise RequestError("text", f"text must be a string, got {show(body['text'])}")
+        return list(tm.tokenizer.encode(body["text"]))
+    messages = expect_messages("messages", body["messages"])
+    try:
+        ids = tm.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
+    except Exception as err:  # noqa: BLE001 - the template's own complaint, shortened
+        raise RequestError("messages", f"the chat template cannot render these messages ({type(err).__name__}: "
+                                       f"{show(str(err))})") from None
+    # transformers 5 returns a BatchEncoding here, earlier versions a list of ids
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _namespace(body: dict) -> dict:
+    return {k: optional_str(k, body.get(k)) for k in ("extra_key", "cache_salt")}
+
+
+def _ranges(raw) -> list[list[int]]:
+    """``[[L, R], ...]`` as integer pairs (the scheduler checks them against the sequence)."""
+    if not isinstance(raw, list) or not raw:
+        raise RequestError("ranges", f"ranges must be a non-empty list of [L, R] intervals, got {show(raw)}")
+    for i, item in enumerate(raw):
+        if not (isinstance(item, list) and len(item) == 2 and all(is_int(x) for x in item)):
+            raise RequestError(f"ranges[{i}]", f"ranges[{i}] must be a pair of integers [L, R], got {show(item)}")
+    return raw
+
+
+def _target(body: dict) -> dict:
+    """keep_ratio (a number in [0, 1]) or keep_tokens (an integer >= 0), exactly one."""
+    ratio, tokens = body.get("keep_ratio"), body.get("keep_tokens")
+    if (ratio is None) == (tokens is None):
+        raise RequestError("keep_ratio", "give exactly one of keep_ratio (a number in [0, 1]) and keep_tokens "
+                                         "(an integer >= 0)")
+    if ratio is not None:
+        return {"keep_ratio": expect_number("keep_ratio", ratio, 0, 1), "keep_tokens": None}
+    return {"keep_ratio": None, "keep_tokens": expect_int("keep_tokens", tokens, 0)}
 
 
 def _probe_ids(plan: dict, tokens: list[int], policy: str) -> list[int]:
@@ -85,11 +92,9 @@ def _probe_ids(plan: dict, tokens: list[int], policy: str) -> list[int]:
     observation window); kvzip appends "repeat the context" + each interval's tokens."""
     if policy == "snapkv":
         return list(tokens)
-    from sglang.srt.entrypoints.http_server import get_global_state
-
     from sglang_sparse.core.pruning import KVZIP_PROMPT
 
-    prompt = list(get_global_state().tokenizer_manager.tokenizer.encode(KVZIP_PROMPT, add_special_tokens=False))
+    prompt = list(_tokenizer_manager().tokenizer.encode(KVZIP_PROMPT, add_special_tokens=False))
     ids = list(tokens) + prompt
     for left, right in plan["ranges"]:
         ids += tokens[left:right]
@@ -97,80 +102,94 @@ def _probe_ids(plan: dict, tokens: list[int], policy: str) -> list[int]:
 
 
 async def _run(record: dict, tokens: list[int], policy: str) -> None:
-    from sglang.srt.entrypoints.http_server import get_global_state
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     from sglang_sparse.srt.prune import PROBE_KEY
 
     pid = record["prune_id"]
     record["status"] = "running"
+    metrics.prune_jobs_changed(PRUNES.values())
     try:
         probe = GenerateReqInput(
             input_ids=_probe_ids(record, tokens, policy), rid=f"{pid}-probe",
             sampling_params={"max_new_tokens": 1, "temperature": 0,
                              "custom_params": {PROBE_KEY: pid}})
-        async for _ in get_global_state().tokenizer_manager.generate_request(probe, None):
+        async for _ in _tokenizer_manager().generate_request(probe, None):
             pass
-        result = await _control("prune_apply", {"prune_id": pid})
+        result = await control("prune_apply", {"prune_id": pid})
         record.update(result)
+        metrics.prune_jobs_changed(PRUNES.values())
     except Exception as err:  # noqa: BLE001 - reported in the record
-        record.update(status="failed", reason=getattr(err, "detail", None) or repr(err))
+        record.update(status="failed", reason=getattr(err, "message", None) or type(err).__name__)
         try:
-            await _control("prune_forget", {"prune_id": pid})
+            await control("prune_forget", {"prune_id": pid})
         except Exception:  # noqa: BLE001
             pass
+        metrics.prune_jobs_changed(PRUNES.values())
 
 
+@admin_route
 async def prune(request: Request):
     """POST /prune."""
     from fastapi.responses import JSONResponse
 
-    body = await _body(request)
+    body = await json_body(request)
     tokens = _token_ids(body)
     policy = body.get("policy", "kvzip")
-    plan_body = {k: body.get(k) for k in ("ranges", "keep_ratio", "keep_tokens", "extra_key", "cache_salt")}
-    plan = await _control("prune_plan", {**plan_body, "token_ids": tokens, "policy": policy})
-    ranges = sorted(tuple(r) for r in body["ranges"])
+    if not isinstance(policy, str) or policy not in POLICIES:
+        raise RequestError("policy", f"unknown policy {show(policy)}: policy must be one of {', '.join(POLICIES)}")
+    wait = expect_bool("wait", body.get("wait", False))
+    ranges = _ranges(body.get("ranges"))
+    plan = await control("prune_plan", {"ranges": ranges, **_target(body), **_namespace(body),
+                                        "token_ids": tokens, "policy": policy})
+    ranges = sorted(tuple(r) for r in ranges)
     record = {"prune_id": plan.get("prune_id") or f"prune-blocked-{next(_local_ids)}", "policy": policy,
               "ranges": [list(r) for r in ranges],
               "original_tokens": sum(b - a for a, b in ranges), **plan}
     record["retained_before"] = record.pop("retained_tokens", None)
     PRUNES[record["prune_id"]] = record
+    while len(PRUNES) > KEEP_RECORDS:
+        del PRUNES[next(iter(PRUNES))]
+    metrics.prune_jobs_changed(PRUNES.values())
     if plan["status"] == "blocked":
-        return JSONResponse(record, status_code=200 if body.get("wait") else 202)
+        return JSONResponse(record, status_code=200 if wait else 202)
     record["retained_tokens"] = record["retained_before"]
     task = asyncio.ensure_future(_run(record, tokens, policy))
     _tasks.add(task)
     task.add_done_callback(_tasks.discard)
-    if body.get("wait"):
+    if wait:
         await task
         return JSONResponse(record, status_code=200)
     return JSONResponse(record, status_code=202)
 
 
+@admin_route
 async def get_prune(prune_id: str):
     """GET /prune/{prune_id}."""
     record = PRUNES.get(prune_id)
     if record is None:
-        raise _http(404, f"unknown pruning job {prune_id!r}")
+        raise RequestError("prune_id", f"unknown pruning job {show(prune_id)}", status=404)
     return record
 
 
+@admin_route
 async def inspect_prefix(request: Request):
-    body = await _body(request)
-    return await _control("prefix_inspect", {**body, "token_ids": _token_ids(body)})
+    body = await json_body(request)
+    return await control("prefix_inspect", {"token_ids": _token_ids(body), **_namespace(body)})
 
 
+@admin_route
 async def prefix_priority(request: Request):
-    body = await _body(request)
-    return await _control("prefix_priority", {"priority": body.get("priority"), "token_ids": _token_ids(body),
-                                              "extra_key": body.get("extra_key"), "cache_salt": body.get("cache_salt")})
+    body = await json_body(request)
+    priority = expect_int("priority", body.get("priority"))
+    return await control("prefix_priority", {"priority": priority, "token_ids": _token_ids(body),
+                                             **_namespace(body)})
 
 
+@admin_route
 async def delete_prefix(request: Request):
-    body = await _body(request)
-    return await _control("prefix_delete", {"token_ids": _token_ids(body), "extra_key": body.get("extra_key"),
-                                            "cache_salt": body.get("cache_salt")})
+    body = await json_body(request)
+    return await control("prefix_delete", {"token_ids": _token_ids(body), **_namespace(body)})
 
 
 def register_routes(app) -> list[str]:

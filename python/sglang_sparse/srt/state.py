@@ -24,3 +24,6 @@ chain_fingerprint: str = ""
 # probe requests (the attention backend sees rows, not requests).
 prune_jobs: dict = {}
 probe_rows: dict = {}
+
+# Slot-census failures seen by the every-step check (srt/integrity.py).
+integrity_violations: int = 0

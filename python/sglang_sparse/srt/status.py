@@ -14,6 +14,8 @@ import os
 
 from sglang_sparse import __version__
 from sglang_sparse.srt import activation
+from sglang_sparse.srt.admin_http import admin_route, control
+from sglang_sparse.validation import RequestError, show
 
 # What this process registered, in order. Filled by ``plugin.load``.
 REGISTRATIONS: list[str] = []
@@ -38,25 +40,59 @@ def process_record() -> dict:
 
 def scheduler_stats(scheduler) -> dict | None:
     """KV accounting of one scheduler plus its controller's view (None if no method runs)."""
-    from sglang_sparse.srt import chains, state
+    from sglang_sparse.srt import integrity, state
 
     if state.controller is None:
         return None
     stats = state.controller.stats()
+    owners = residency(scheduler)
+    logical = sum(o["logical_tokens"] for o in owners.values())
+    retained = sum(o["retained_tokens"] for o in owners.values())
     return {
         "method": stats["method"],
         "kv_total_slots": int(scheduler.max_total_num_tokens),
         "kv_free_slots": int(scheduler.token_to_kv_pool_allocator.available_size()),
-        # running requests (controller view); the radix cache is reported under "radix"
-        "logical_tokens": stats["logical_tokens"],
-        "retained_tokens": stats["retained_tokens"],
+        # everything resident: running requests, the radix tree, idle chains (split in by_owner)
+        "logical_tokens": logical,
+        "retained_tokens": retained,
+        "compression_ratio": round(logical / retained, 3) if retained else None,
+        "by_owner": owners,
         "running_requests": len(state.controller.cache.requests),
         "steps": stats["steps"],
-        "counters": stats["counters"],
+        "counters": {**stats["counters"], "integrity_violations": state.integrity_violations},
         "radix": _radix_stats(scheduler.tree_cache),
-        "integrity": chains.check_integrity(scheduler),  # every KV slot has exactly one owner
+        "integrity": integrity.check_integrity(scheduler),  # every KV slot has exactly one owner
         **_chain_stats(state.chains),
     }
+
+
+def residency(scheduler) -> dict:
+    """Logical tokens and retained tokens (tokens with KV) per owner, counted once each, as the
+    slot census counts slots: a request owns what it computed itself (its rows past
+    ``cache_protected_len``; the tokens of its radix-cached prefix belong to the tree); an idle
+    chain owns its parked rows (``chains.parked``; a pinned full-KV chain owns nothing: its path is
+    in the tree)."""
+    from sglang_sparse.srt import chains, integrity, state
+
+    known = state.controller.cache.requests
+    req_logical = req_rows = 0
+    for req in integrity.scheduler_requests(scheduler):
+        rs = known.get(req.rid)
+        if rs is None or not req.kv.holds_kv:
+            continue
+        in_tree = req.kv.cache_protected_len  # rows [0, protected) are tree slots
+        req_rows += rs.retained.n_rows - in_tree
+        req_logical += rs.retained.logical_len - in_tree - (getattr(req, "sparse_gap", 0) or 0)
+    tree = getattr(scheduler.tree_cache, "tree", None)
+    tree_logical = sum(len(n.key) for n in tree.nodes()) if tree is not None else 0
+    tree_rows = tree.total_retained() if tree is not None else 0
+    chain_logical = chain_rows = 0
+    for rec in chains.parked():
+        chain_logical += rec.boundary
+        chain_rows += rec.rows
+    return {"requests": {"logical_tokens": req_logical, "retained_tokens": req_rows},
+            "radix_tree": {"logical_tokens": tree_logical, "retained_tokens": tree_rows},
+            "chains": {"logical_tokens": chain_logical, "retained_tokens": chain_rows}}
 
 
 def _radix_stats(cache) -> dict:
@@ -132,32 +168,19 @@ async def list_chains():
     return {"chains": record.get("chains") or [], "integrity": (record.get("stats") or {}).get("integrity")}
 
 
+@admin_route
 async def get_chain(chain_id: str):
     """GET /chain/{chain_id}: one chain, 404 if unknown."""
-    from fastapi import HTTPException
-
     for rec in (await _chain_state()).get("chains") or []:
         if rec["chain_id"] == chain_id:
             return rec
-    raise HTTPException(status_code=404, detail=f"unknown chain {chain_id!r}")
+    raise RequestError("chain_id", f"unknown chain {show(chain_id)}", status=404)
 
 
+@admin_route
 async def delete_chain(chain_id: str):
     """DELETE /chain/{chain_id}: drop a chain no request is using and free its rows."""
-    from fastapi import HTTPException
-    from sglang.srt.entrypoints.http_server import get_global_state
-    from sglang.srt.managers.io_struct import DumperControlReqInput
-
-    tm = get_global_state().tokenizer_manager
-    outs = await tm.dumper_control(DumperControlReqInput(method="sglang_sparse/chain_delete",
-                                                         body={"chain_id": chain_id}))
-    out = outs[0]
-    if not out.success or not out.response:
-        raise HTTPException(status_code=500, detail=f"chain deletion failed: {out.error}")
-    result = out.response[0]
-    if result.get("status") != 200:
-        raise HTTPException(status_code=result["status"], detail=result["message"])
-    return result
+    return await control("chain_delete", {"chain_id": chain_id})
 
 
 def register_routes() -> None:

@@ -1,0 +1,89 @@
+"""What every admin route of sglang_sparse shares (main process): reading the JSON body, the
+error body, and the round trip of an admin operation to the scheduler.
+
+Errors are SGLang's ``ErrorResponse`` body, as its ``HTTPException`` handler renders it
+(``{"object": "error", "message", "type", "param", "code"}``; ``param`` names the field); a
+handler raises ``RequestError`` (``sglang_sparse.validation``) and ``admin_route`` turns it into
+that response. Anything unexpected becomes a 500 whose message
+names the operation, never a stack trace.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from sglang_sparse.validation import MAX_BODY_BYTES, RequestError
+
+logger = logging.getLogger("sglang_sparse")
+
+CONTROL_PREFIX = "sglang_sparse/"
+
+
+def error_response(status: int, message: str, param: str | None = None):
+    """SGLang's ``ErrorResponse`` (what its HTTPException handler answers)."""
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse({"object": "error", "message": message, "type": str(status), "param": param or None,
+                         "code": status}, status_code=status)
+
+
+def generate_error_response(status: int, message: str, param: str | None = None):
+    """An error of ``/generate`` as SGLang answers it: a 400 (a ValueError there) in its
+    ``_create_error_response`` body ``{"error": {"message": ...}}``, other statuses (an
+    HTTPException) as ``ErrorResponse``."""
+    if status != 400:
+        return error_response(status, message, param)
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": message}}, status_code=400)
+
+
+def admin_route(handler):
+    """Wrap an async route handler: RequestError -> its status and sentence."""
+
+    @functools.wraps(handler)
+    async def wrapped(*args, **kwargs):
+        try:
+            return await handler(*args, **kwargs)
+        except RequestError as err:
+            return error_response(err.status, err.message, err.field)
+        except Exception:  # noqa: BLE001 - logged; the client gets a sentence, not a trace
+            logger.exception("sglang_sparse: %s failed", handler.__name__)
+            return error_response(500, f"{handler.__name__} failed inside sglang_sparse; the server log has the details")
+
+    return wrapped
+
+
+async def json_body(request) -> dict:
+    """The request's JSON object (400 if it is not JSON or not an object, 413 if too large)."""
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise RequestError("body", f"the request body has {len(raw)} bytes; at most {MAX_BODY_BYTES} are accepted",
+                           status=413)
+    try:
+        body = await request.json()
+    except Exception:
+        raise RequestError("body", "the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise RequestError("body", "the request body must be a JSON object")
+    return body
+
+
+async def control(op: str, body: dict) -> dict:
+    """Run admin operation ``op`` in the scheduler (SGLang's dumper-control round trip, see
+    ``chains.around_dumper_control``); a result with an HTTP status >= 400 is raised."""
+    from sglang.srt.entrypoints.http_server import get_global_state
+    from sglang.srt.managers.io_struct import DumperControlReqInput
+
+    tm = get_global_state().tokenizer_manager
+    outs = await tm.dumper_control(DumperControlReqInput(method=f"{CONTROL_PREFIX}{op}", body=body))
+    out = outs[0]
+    if not out.success or not out.response:
+        logger.error("sglang_sparse: admin operation %s failed in the scheduler: %s", op, out.error)
+        raise RequestError("", f"the admin operation {op} failed in the scheduler; the server log has the details",
+                           status=500)
+    result = out.response[0]
+    if isinstance(result.get("status"), int) and result["status"] >= 400:
+        raise RequestError("", result["message"], status=result["status"])
+    return result

@@ -1,0 +1,411 @@
+"""Generation requests checked before SGLang takes them (main process).
+
+- **Prompts** (BEFORE ``TokenizerManager._validate_one_request``, after tokenization): at least
+  one token, every id in ``[0, vocab)``. SGLang 0.5.23 lets both through to the scheduler, where
+  an empty prompt fails a reshape and an out-of-vocabulary id the embedding lookup, and the
+  server dies.
+- **Chains** (AROUND ``serve_generate_request`` and ``OpenAIServingBase.handle_request``): a
+  top-level ``chain_id`` (or ``sampling_params.custom_params.chain_id``) must be a string, names
+  one chain (no batch, no ``n > 1``), and means the same for every method: on a server whose
+  Chain Cache is off it is refused with a sentence saying how to turn it on. The top-level form
+  is moved into ``custom_params`` (the one per-request field SGLang carries to the scheduler).
+- **Streams** (same hooks): a streamed request refused before it generates anything (a chain
+  error from the scheduler, a prompt check, SGLang's own length checks) gets the status code and
+  message a non-streamed one gets, instead of HTTP 200 and an error inside the stream. The
+  response's first chunk is awaited before the headers go out (``_prime``); once a chunk has
+  been produced the stream proceeds as SGLang's.
+
+Errors use SGLang's bodies, as a non-streamed request gets them: on ``/generate`` a 400 is
+``{"error": {"message": ...}}`` (its ``_create_error_response``) and other statuses are
+``ErrorResponse``; the OpenAI routes answer ``ErrorResponse``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from dataclasses import dataclass
+
+from sglang_sparse.validation import RequestError, check_token_ids, expect_chain_id, expect_int, is_int, show
+from sglang_sparse.srt import activation
+from sglang_sparse.srt.admin_http import generate_error_response
+
+TOKENIZER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+GENERATE_ROUTE = "sglang.srt.entrypoints.http_server.serve_generate_request"
+CONTRACT_CHECK = "sglang.srt.entrypoints.api_contract.generate_contract_error"
+OPENAI_ROUTE = "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request"
+
+
+# -- prompts ---------------------------------------------------------------------------------------
+def before_validate_one_request(manager, obj, input_ids, *args, **kwargs):
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    if not isinstance(obj, GenerateReqInput) or obj.input_embeds is not None or obj.contains_mm_input():
+        return None
+    field = "input_ids" if obj.input_ids is not None else "text"
+    if not isinstance(input_ids, list):
+        raise RequestError(field, f"{field} must be a list of token ids, got {show(input_ids)}")
+    if not input_ids:
+        raise RequestError(field, f"{field} gives an empty prompt (0 tokens after tokenization); "
+                                  "send at least one token")
+    check_token_ids(field, input_ids, manager.model_config.vocab_size)
+    return None
+
+
+def around_contract_error(original, body, *args, **kwargs):
+    """SGLang's ``/generate`` schema check says what is wrong (``invalid type: boolean `true`,
+    expected i64``) but not where: find the one field whose removal makes the body pass and name
+    it (one level into ``sampling_params``)."""
+    message = original(body, *args, **kwargs)
+    if message is None or not isinstance(body, dict):
+        return message
+    field = _culprit(original, body)
+    return f"{field}: {message}" if field else message
+
+
+def _culprit(check, body: dict, prefix: str = "") -> str | None:
+    for key, value in body.items():
+        if check({k: v for k, v in body.items() if k != key}) is None:
+            if isinstance(value, dict) and value:
+                inner = _culprit(lambda sub: check({**body, key: sub}), value, f"{prefix}{key}.")
+                if inner:
+                    return inner
+            return f"{prefix}{key}"
+    return None
+
+
+MAX_N = 128  # parallel samples per prompt (OpenAI's own limit)
+SESSION_FIELDS = {"id": str, "rid": str, "offset": int, "replace": bool, "drop_previous_output": bool}
+
+
+def check_generate_fields(obj, prompts: int) -> None:
+    """The fields of a ``/generate`` body that SGLang 0.5.23 uses before checking them (a 500,
+    or worse, otherwise): ``sampling_params`` as a list (indexed), its ``custom_params``
+    (unpacked), ``session_params`` (unpacked into SGLang's SessionParams)."""
+    sps = obj.sampling_params
+    if isinstance(sps, list) and len(sps) != prompts:
+        raise RequestError("sampling_params", f"sampling_params must be an object, or a list of {prompts} "
+                                              f"object(s), one per prompt; got a list of {len(sps)}")
+    for sp in _as_list(sps):
+        if isinstance(sp, dict) and "n" in sp:
+            expect_int("sampling_params.n", sp["n"], 1, MAX_N)
+        custom = sp.get("custom_params") if isinstance(sp, dict) else None
+        if custom is not None and not isinstance(custom, dict):
+            raise RequestError("sampling_params.custom_params", "sampling_params.custom_params must be an object "
+                                                                f"or null, got {show(custom)}")
+    rid = obj.rid
+    if rid is not None and not isinstance(rid, str):
+        if prompts == 1 or not (isinstance(rid, list) and len(rid) == prompts and all(isinstance(r, str) for r in rid)):
+            raise RequestError("rid", f"rid must be a string{f' or a list of {prompts} strings' if prompts > 1 else ''}"
+                                      f" or null, got {show(rid)}")
+    sessions = obj.session_params
+    for sess in (sessions if isinstance(sessions, list) else [sessions]):
+        if sess is None:
+            continue
+        if not isinstance(sess, dict):
+            raise RequestError("session_params", f"session_params must be an object, got {show(sess)}")
+        for key, value in sess.items():
+            want = SESSION_FIELDS.get(key)
+            if want is None:
+                raise RequestError(f"session_params.{key}", f"session_params has no field {show(key)}; its fields: "
+                                                            f"{', '.join(SESSION_FIELDS)}")
+            ok = value is None or (isinstance(value, want) and (want is bool or not isinstance(value, bool)))
+            if not ok:
+                words = {str: "a string", int: "an integer", bool: "true or false"}[want]
+                raise RequestError(f"session_params.{key}", f"session_params.{key} must be {words} or null, "
+                                                            f"got {show(value)}")
+
+
+# -- chains ----------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def chains_on() -> bool:
+    return bool(activation.load_config().get("chain_cache"))
+
+
+def _chains_off_message(field: str) -> str:
+    config = activation.load_config()
+    return (f"{field}: Chain Cache is off on this server (--sparse-method {config.get('method', 'dense')} with "
+            "--chain-cache off, or auto, which turns it on only for methods that evict KV); start the server "
+            "with --chain-cache on to continue chains, or leave chain_id out")
+
+
+def _custom_chain_ids(sampling_params) -> list:
+    """The ``custom_params.chain_id`` values of one or more sampling-param dicts."""
+    out = []
+    for sp in _as_list(sampling_params):
+        params = sp.get("custom_params") if isinstance(sp, dict) else None
+        if isinstance(params, dict) and "chain_id" in params:
+            out.append(params["chain_id"])
+    return out
+
+
+def check_chain_fields(top, custom: list, choices: int, prompts: int) -> str | None:
+    """The chain a request names (None: it starts one if chains are on). Raises RequestError."""
+    named = ([("chain_id", top)] if top is not None else []) + [
+        ("sampling_params.custom_params.chain_id", c) for c in custom]
+    if not named:
+        return None
+    field = named[0][0]
+    if not chains_on():
+        raise RequestError(field, _chains_off_message(field))
+    for f, value in named:
+        expect_chain_id(f, value)
+    if len({v for _, v in named}) > 1:
+        raise RequestError(field, f"chain_id and sampling_params.custom_params.chain_id name different chains "
+                                  f"({', '.join(show(v) for _, v in named)})")
+    if prompts > 1:
+        raise RequestError(field, f"{field} names one chain; a batch of {prompts} prompts cannot continue it "
+                                  "(send them as separate requests)")
+    if choices > 1:
+        raise RequestError(field, f"{field} cannot be combined with n={choices}: every choice would continue "
+                                  "the same chain (ask for n=1)")
+    return named[0][1]
+
+
+def _with_chain_id(sampling_params, chain_id: str):
+    """``sampling_params`` (None, a dict, or one per prompt) with ``custom_params.chain_id`` set."""
+    if isinstance(sampling_params, list):
+        return [_with_chain_id(sp, chain_id) for sp in sampling_params]
+    sp = dict(sampling_params or {})
+    sp["custom_params"] = {**(sp.get("custom_params") or {}), "chain_id": chain_id}
+    return sp
+
+
+async def _json_body(request) -> dict:
+    try:
+        body = await request.json()  # Starlette caches the parsed body
+    except Exception:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _as_list(sampling_params) -> list:
+    return sampling_params if isinstance(sampling_params, list) else [sampling_params]
+
+
+def _prompt_count(obj) -> int:
+    """Prompts in a ``/generate`` body: a list of texts or a list of token-id lists is a batch."""
+    if isinstance(obj.text, list):
+        return len(obj.text)
+    if isinstance(obj.input_ids, list) and obj.input_ids and isinstance(obj.input_ids[0], list):
+        return len(obj.input_ids)
+    return 1
+
+
+def _parallel(sampling_params) -> int:
+    """The largest ``n`` (parallel samples) asked for."""
+    ns = [sp.get("n", 1) if isinstance(sp, dict) else 1 for sp in _as_list(sampling_params)]
+    return max([n for n in ns if is_int(n)] or [1])
+
+
+# -- streams ---------------------------------------------------------------------------------------
+@dataclass
+class Refusal:
+    """Set by ``watch_first_output`` when a request's first output says it was refused."""
+
+    status: int = 0
+    message: str = ""
+
+
+_REFUSAL = contextvars.ContextVar("sglang_sparse_refusal", default=None)
+
+
+def watch_first_output(outputs):
+    """Wrap ``TokenizerManager.generate_request``'s generator: a refusal before any output (an
+    abort with an HTTP status, or a ValueError raised while the request is checked) is noted for
+    ``_prime``, which runs this generator's first step in its own context."""
+    holder = _REFUSAL.get()
+    if holder is None:
+        return outputs
+
+    async def watched():
+        first = True
+        try:
+            async for out in outputs:
+                if first:
+                    first = False
+                    reason = _finish_reason(out)
+                    status = reason.get("status_code") if isinstance(reason, dict) else None
+                    if isinstance(reason, dict) and reason.get("type") == "abort" and is_int(status) and status >= 400:
+                        holder.status, holder.message = int(status), str(reason.get("message") or "aborted")
+                yield out
+        except ValueError as err:
+            if first:
+                holder.status, holder.message = int(getattr(err, "status_code", 400)), str(err)
+            raise
+
+    return watched()
+
+
+def _finish_reason(out):
+    item = out[0] if isinstance(out, list) and out else out
+    meta = item.get("meta_info") if isinstance(item, dict) else None
+    return meta.get("finish_reason") if isinstance(meta, dict) else None
+
+
+async def _prime(response, refused_response):
+    """For a streaming response: produce its first chunk before anything is sent. A refusal
+    becomes ``refused_response(status, message)``; otherwise the stream goes on unchanged."""
+    from starlette.responses import Response, StreamingResponse
+
+    if not isinstance(response, StreamingResponse):
+        return response
+    holder = _REFUSAL.get()
+    body = response.body_iterator
+    try:
+        first = await body.__anext__()
+    except StopAsyncIteration:  # the client went away before anything was generated
+        return Response(status_code=204)
+    if holder is not None and holder.status:
+        await body.aclose()
+        return refused_response(holder.status, holder.message)
+
+    async def rest():
+        yield first
+        async for chunk in body:
+            yield chunk
+
+    response.body_iterator = rest()
+    return response
+
+
+async def around_serve_generate(original, obj, request, *args, **kwargs):
+    body = await _json_body(request)
+    try:
+        check_generate_fields(obj, _prompt_count(obj))
+        chain_id = check_chain_fields(body.get("chain_id"), _custom_chain_ids(obj.sampling_params),
+                                      _parallel(obj.sampling_params), _prompt_count(obj))
+    except RequestError as err:
+        return generate_error_response(err.status, err.message, err.field)
+    if body.get("chain_id") is not None:
+        obj.sampling_params = _with_chain_id(obj.sampling_params, chain_id)
+    token = _REFUSAL.set(Refusal()) if obj.stream else None
+    try:
+        response = await original(obj, request, *args, **kwargs)
+        return await _prime(response, generate_error_response) if obj.stream else response
+    finally:
+        if token is not None:
+            _REFUSAL.reset(token)
+
+
+async def around_openai_request(original, serving, request, raw_request, *args, **kwargs):
+    """OpenAI chat/completions: ``chain_id`` in the body (e.g. ``extra_body``), checked like
+    ``/generate``'s; streamed refusals answered like non-streamed ones."""
+    body = await _json_body(raw_request)
+    custom = request.custom_params if isinstance(getattr(request, "custom_params", None), dict) else {}
+    n = getattr(request, "n", 1)
+    try:
+        if n is not None:
+            expect_int("n", n, 1, MAX_N)
+        chain_id = check_chain_fields(body.get("chain_id"), [custom["chain_id"]] if "chain_id" in custom else [],
+                                      n if is_int(n) else 1, 1)
+    except RequestError as err:
+        return serving.create_error_response(err.message, param=err.field, status_code=err.status)
+    if chain_id is not None:
+        request.custom_params = {**custom, "chain_id": chain_id}
+    stream = bool(getattr(request, "stream", False))
+    token = _REFUSAL.set(Refusal()) if stream else None
+    try:
+        response = await original(serving, request, raw_request, *args, **kwargs)
+        if not stream:
+            return response
+        return await _prime(response, lambda status, message: serving.create_error_response(
+            message, err_type="BadRequest" if status == 400 else str(status), status_code=status))
+    finally:
+        if token is not None:
+            _REFUSAL.reset(token)
+
+
+# -- a retry after a cancel -------------------------------------------------------------------------
+# Requests running on a named chain: chain id -> (rid, HTTP request). SGLang notices a client that
+# went away only at the request's next output or after a few seconds of waiting; a retry on the
+# same chain in that window would meet the chain still busy (409) although it is already lost.
+_INFLIGHT: dict[str, tuple[str, object]] = {}
+
+
+def _forget(chain_id: str, rid: str) -> None:
+    if _INFLIGHT.get(chain_id, (None,))[0] == rid:
+        del _INFLIGHT[chain_id]
+
+
+def _named_chain(obj):
+    params = obj.sampling_params.get("custom_params") if isinstance(obj.sampling_params, dict) else None
+    chain_id = params.get("chain_id") if isinstance(params, dict) else None
+    return chain_id if isinstance(chain_id, str) else None
+
+
+def around_generate_request(original, manager, obj, request=None, *args, **kwargs):
+    """Watch the first output (streamed refusals); a request naming a chain whose previous
+    request's client has gone away aborts that request first. The abort reaches the scheduler
+    before this request does (one ordered channel), and the scheduler invalidates the chain on
+    it (``chains.after_abort_request``): the retry is answered 410 at once."""
+    chain_id = _named_chain(obj) if chains_on() else None
+    if chain_id is None:
+        return watch_first_output(original(manager, obj, request, *args, **kwargs))
+    if obj.rid is None:
+        import uuid
+
+        obj.rid = uuid.uuid4().hex  # a chain request is one prompt, one sample (check_chain_fields)
+
+    async def tracked():
+        prev = _INFLIGHT.get(chain_id)
+        if prev is not None and prev[1] is not None and await prev[1].is_disconnected():
+            manager.abort_request(prev[0])
+        _INFLIGHT[chain_id] = (obj.rid, request)
+        done = False
+        try:
+            async for out in original(manager, obj, request, *args, **kwargs):
+                if _finish_reason(out) is not None:
+                    done = True
+                    _forget(chain_id, obj.rid)
+                yield out
+            done = True
+        finally:
+            _forget(chain_id, obj.rid)
+            if not done:  # closed before its last output: the client went away; abort it now
+                manager.abort_request(obj.rid)
+
+    return watch_first_output(tracked())
+
+
+def register() -> list[str]:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(f"{TOKENIZER}._validate_one_request", before_validate_one_request, HookType.BEFORE)
+    HookRegistry.register(f"{TOKENIZER}.generate_request", around_generate_request, HookType.AROUND)
+    HookRegistry.register(GENERATE_ROUTE, around_serve_generate, HookType.AROUND)
+    HookRegistry.register(CONTRACT_CHECK, around_contract_error, HookType.AROUND)
+    HookRegistry.register(OPENAI_ROUTE, around_openai_request, HookType.AROUND)
+    install_validation_handler()
+    return ["hook:prompt-checks", "hook:stream-refusals", "hook:chain-id-generate", "hook:chain-id-openai",
+            "hook:generate-contract-field", "exception-handler:request-validation"]
+
+
+def install_validation_handler() -> None:
+    """FastAPI's request-validation errors, as SGLang renders them, carry ``str(exc)``: the
+    endpoint's file path and line. The same ``ErrorResponse`` is built from the error list
+    alone (field path and pydantic's sentence); SGLang's own shapes for ``/v1/messages`` and
+    ``/v1/systemone`` are left to its handler."""
+    from fastapi.exceptions import RequestValidationError
+    from sglang.srt.entrypoints import http_server
+
+    app = http_server.app
+    sglang_handler = app.exception_handlers.get(RequestValidationError)
+
+    async def handler(request, exc):
+        path = request.url.path
+        if sglang_handler is not None and path.startswith(("/v1/messages", "/v1/systemone")):
+            return await sglang_handler(request, exc)
+        from fastapi.responses import JSONResponse
+
+        errors = exc.errors()
+        parts = []
+        for err in errors[:5]:
+            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
+            parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+        more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+        first = ".".join(str(x) for x in errors[0].get("loc", ()) if x != "body") if errors else None
+        return JSONResponse({"object": "error", "message": "; ".join(parts) + more, "type": "Bad Request",
+                             "param": first or None, "code": 400}, status_code=400)
+
+    app.add_exception_handler(RequestValidationError, handler)
