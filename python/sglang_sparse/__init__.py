@@ -7,3 +7,6 @@ Layout (see docs/architecture.md):
 """
 
 __version__ = "0.1.0"
+
+# Every method registers itself on import (registry.py imports none of them).
+from sglang_sparse import methods  # noqa: E402,F401

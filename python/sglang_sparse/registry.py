@@ -1,7 +1,9 @@
 """Registry of sparse methods: name -> (config class, runtime class). Engine-agnostic.
 
 Methods register themselves with ``@register_method`` in their own file under ``methods/``;
-nothing outside a method's file names it. CLI choices come from ``method_names()``.
+nothing outside a method's file names it. The registry imports no method: importing the
+``sglang_sparse`` package imports ``sglang_sparse.methods``, which imports every method file, so
+the table is full wherever the package is used. CLI choices come from ``method_names()``.
 """
 
 from __future__ import annotations
@@ -38,17 +40,11 @@ def register_method(name: str, family: str, config_cls: type, summary: str):
     return wrap
 
 
-def _load_builtin() -> None:
-    import sglang_sparse.methods  # noqa: F401  (each module registers itself)
-
-
 def method_names() -> list[str]:
-    _load_builtin()
     return sorted(_METHODS)
 
 
 def get_method(name: str) -> MethodSpec:
-    _load_builtin()
     try:
         return _METHODS[name]
     except KeyError:

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import time
 
+from sglang_sparse.srt.state import STATE
+
 PREFIX = "sglang_sparse:"
 REFRESH_SECONDS = 1.0
 OWNERS = ("requests", "radix_tree", "chains")
@@ -58,7 +60,7 @@ class SchedulerMetrics:
         if not force and now - self._last < REFRESH_SECONDS:
             return
         self._last, self.dirty = now, False
-        from sglang_sparse.srt import state, status
+        from sglang_sparse.srt import status
 
         stats = status.scheduler_stats(scheduler)
         if stats is None:
@@ -72,7 +74,7 @@ class SchedulerMetrics:
             if delta > 0:
                 child.inc(delta)
             self._seen[key] = int(value)
-        per_slot = state.controller.cache.store.bytes_per_slot()
+        per_slot = STATE.scheduler.controller.cache.store.bytes_per_slot()
         census = stats["integrity"]
         slots = {"free": stats["kv_free_slots"], "requests": census["request_slots"],
                  "radix_tree": census["tree_slots"], "chains": census["chain_slots"]}
@@ -83,25 +85,22 @@ class SchedulerMetrics:
             for kind in ("logical", "retained"):
                 self.tokens.labels(owner, kind).set(stats["by_owner"][owner][f"{kind}_tokens"])
         chains = stats.get("chains") or {}
-        for st in CHAIN_STATUSES:
-            self.chains.labels(st).set(chains.get(st, 0))
+        for status_name in CHAIN_STATUSES:
+            self.chains.labels(status_name).set(chains.get(status_name, 0))
         self.lost.set(census["lost"])
         self.twice.set(census["owned_twice"])
-        if state.integrity_violations > self._violations:
-            self.violations.inc(state.integrity_violations - self._violations)
-            self._violations = state.integrity_violations
-
-
-_scheduler_metrics: SchedulerMetrics | None = None
+        violations = STATE.scheduler.integrity_violations
+        if violations > self._violations:
+            self.violations.inc(violations - self._violations)
+            self._violations = violations
 
 
 def _metrics(scheduler) -> SchedulerMetrics | None:
-    global _scheduler_metrics
     if not getattr(scheduler.server_args, "enable_metrics", False):
         return None
-    if _scheduler_metrics is None:
-        _scheduler_metrics = SchedulerMetrics()
-    return _scheduler_metrics
+    if STATE.scheduler.metrics is None:
+        STATE.scheduler.metrics = SchedulerMetrics()
+    return STATE.scheduler.metrics
 
 
 def after_process_batch_result(result, scheduler, *args, **kwargs):
@@ -122,36 +121,24 @@ def after_on_idle(result, scheduler, *args, **kwargs):
 
 def mark_changed() -> None:
     """An admin operation changed the KV state between steps (chain deletion, a prune)."""
-    if _scheduler_metrics is not None:
-        _scheduler_metrics.dirty = True
+    if STATE.scheduler.metrics is not None:
+        STATE.scheduler.metrics.dirty = True
 
 
-def register_scheduler() -> list[str]:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.process_batch_result",
-                          after_process_batch_result, HookType.AFTER)
-    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.on_idle", after_on_idle, HookType.AFTER)
-    return ["hook:metrics"]
-
-
-# -- main process: /prune jobs -----------------------------------------------------------------------
-_prune_gauge = None
-
-
+# -- HTTP process: /prune jobs -----------------------------------------------------------------------
 def prune_jobs_changed(records) -> None:
     """Set the prune-job gauge from the job records (main process; a no-op without metrics)."""
-    global _prune_gauge
     from sglang.srt.entrypoints.http_server import get_global_state
 
     if not getattr(get_global_state().tokenizer_manager.server_args, "enable_metrics", False):
         return
-    if _prune_gauge is None:
+    if STATE.http.prune_gauge is None:
         from prometheus_client import Gauge
 
-        _prune_gauge = Gauge(f"{PREFIX}prune_jobs", "/prune jobs by status", ["status"], multiprocess_mode="livesum")
+        STATE.http.prune_gauge = Gauge(f"{PREFIX}prune_jobs", "/prune jobs by status", ["status"],
+                                       multiprocess_mode="livesum")
     counts = {s: 0 for s in PRUNE_STATUSES}
     for rec in records:
         counts[rec.get("status")] = counts.get(rec.get("status"), 0) + 1
-    for st, n in counts.items():
-        _prune_gauge.labels(st).set(n)
+    for status, n in counts.items():
+        STATE.http.prune_gauge.labels(status).set(n)

@@ -2,81 +2,89 @@
 
 SGLang calls ``load()`` early in every process it starts (launcher, scheduler, detokenizer,
 DP controller, offline Engine); ``HookRegistry.apply_hooks()`` runs right after all plugins.
-This is the single place where sglang_sparse registers itself with SGLang.
-
-- Always: platform support (the CPU fix), also for plain ``python -m sglang.launch_server``.
-- Only in servers started by ``sglang_sparse.launch_server`` (see ``activation``): everything
-  else: status hooks and admin routes now; attention backend, model-runner / KV-pool hooks and
-  radix-cache backend as later capabilities land.
+``load`` applies the entries of ``inventory.PATCHES`` whose process and condition hold here, and
+is the only caller of SGLang's registration functions (``HookRegistry.register``,
+``register_attention_backend``, ``add_attention_backend_choices``,
+``register_radix_cache_backend``, ``add_api_route``, ``add_exception_handler``;
+``test/test_import_rule.py`` checks it). Plain ``python -m sglang.launch_server`` gets only the
+CPU fix.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import multiprocessing
+import os
 
-from sglang_sparse.srt import activation, platform, status
+from sglang_sparse.srt import activation, platform
+from sglang_sparse.srt.inventory import CALLED_KINDS, HOOK_KINDS, LISTED_KINDS, PATCHES, Patch
+from sglang_sparse.srt.state import STATE
 
 logger = logging.getLogger("sglang_sparse")
 
-_loaded = False
-
 
 def load() -> None:
-    global _loaded
-    if _loaded:  # SGLang guards too; this keeps direct calls idempotent.
+    if STATE.loaded:  # SGLang guards too; this keeps direct calls idempotent.
         return
-    _loaded = True
-    if platform.cpu_requested():
-        platform.enable_cpu()
-        status.REGISTRATIONS.append("platform:cpu-rotary-plain-torch")
-    if not activation.is_active():
-        return
-    status.register_scheduler_status()
-    status.REGISTRATIONS.append("hook:scheduler-internal-state")
-    status.register_routes()
-    chain_cache = bool(activation.load_config().get("chain_cache"))
-    if multiprocessing.current_process().name != "MainProcess":
-        _register_runtime(chain_cache)
+    STATE.loaded = True
+    process = "main" if multiprocessing.current_process().name == "MainProcess" else "scheduler"
+    conditions = _conditions()
+    for patch in PATCHES:
+        if patch.process in ("all", process) and conditions[patch.when]:
+            _apply(patch)
+            STATE.applied.append(patch)
+    if conditions["active"]:
+        logger.info("sglang_sparse plugin loaded: %s", ", ".join(p.name for p in STATE.applied))
+
+
+def _conditions() -> dict[str, bool]:
+    active = activation.is_active()
+    config = activation.load_config() if active else {}
+    evicting = False
+    if active:
+        from sglang_sparse.methods import get_method
+
+        evicting = get_method(config.get("method", "dense")).runtime_cls.evicts_kv
+    return {"cpu": platform.cpu_requested(), "active": active, "evicting": active and evicting,
+            "chain_cache": active and bool(config.get("chain_cache")),
+            "check_integrity": active and os.environ.get("SGLANG_SPARSE_CHECK_INTEGRITY", "") not in ("", "0")}
+
+
+def handler_of(patch: Patch):
+    module, attr = patch.handler.split(":")
+    return getattr(importlib.import_module(f"sglang_sparse.srt.{module}"), attr)
+
+
+def _apply(patch: Patch) -> None:
+    if patch.kind in LISTED_KINDS:
+        return  # done inside the handler of ``patch.applied_by``
+    handler = handler_of(patch)
+    if patch.kind in HOOK_KINDS:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        HookRegistry.register(patch.target, handler, HookType[patch.kind.upper()])
+    elif patch.kind in CALLED_KINDS:
+        handler()
+    elif patch.kind == "attention-backend":  # SGLang's own names: its CLI choices already have them
+        from sglang.srt.layers.attention.attention_registry import register_attention_backend
+
+        register_attention_backend(patch.target)(handler)
+    elif patch.kind == "radix-backend":
+        from sglang.srt.mem_cache import registry
+
+        try:
+            registry.register_radix_cache_backend(patch.target, handler)
+        except ValueError:  # already registered in this process
+            pass
+    elif patch.kind == "route":
+        from sglang.srt.entrypoints.http_server import app
+
+        app.add_api_route(patch.target, handler, methods=list(patch.methods))
+    elif patch.kind == "exception-handler":
+        from sglang.srt.entrypoints.http_server import app
+
+        exc = getattr(importlib.import_module(patch.target.rsplit(".", 1)[0]), patch.target.rsplit(".", 1)[1])
+        app.add_exception_handler(exc, handler(app.exception_handlers.get(exc)))
     else:
-        _register_main(chain_cache)
-    logger.info("sglang_sparse plugin loaded: %s", ", ".join(status.REGISTRATIONS))
-
-
-def _register_main(chain_cache: bool) -> None:
-    """HTTP side: request checks before SGLang takes a request, chain fields in responses."""
-    from sglang_sparse.srt import request_guard
-
-    status.REGISTRATIONS.extend(request_guard.register())
-    if chain_cache:
-        from sglang_sparse.srt import chains
-
-        status.REGISTRATIONS.extend(chains.register_main())
-
-
-def _register_runtime(chain_cache: bool) -> None:
-    """Scheduler-side: the attention backend that drives the controller, the step hooks, the
-    MemoryOracle-driven admission and (when on) Chain Cache."""
-    from sglang.srt.layers.attention.attention_registry import register_attention_backend
-
-    from sglang_sparse.srt import admission, attention, integrity, metrics, prune, radix, step_hooks
-
-    register_attention_backend("torch_native")(attention.create_backend)
-    register_attention_backend("triton")(_create_triton_backend)
-    status.REGISTRATIONS.extend(["attention-backend:torch_native", "attention-backend:triton"])
-    status.REGISTRATIONS.extend(step_hooks.register())
-    status.REGISTRATIONS.extend(admission.register())
-    status.REGISTRATIONS.extend(radix.register())
-    status.REGISTRATIONS.extend(prune.register())
-    status.REGISTRATIONS.extend(integrity.register())
-    status.REGISTRATIONS.extend(metrics.register_scheduler())
-    if chain_cache:
-        from sglang_sparse.srt import chains
-
-        status.REGISTRATIONS.extend(chains.register_scheduler())
-
-
-def _create_triton_backend(model_runner):
-    from sglang_sparse.srt import attention_triton  # loads SGLang's Triton backend: CUDA only
-
-    return attention_triton.create_backend(model_runner)
+        raise ValueError(f"inventory entry {patch.name}: unknown kind {patch.kind!r}")

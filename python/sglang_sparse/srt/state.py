@@ -1,29 +1,90 @@
-"""Per-process sglang_sparse state in the scheduler process: the controller and the current step.
+"""The one piece of mutable state of the SGLang adapter, typed (``STATE``), and the one attribute
+sglang_sparse sets on SGLang objects: ``req.sparse`` (``ReqSparse``, via ``sparse(req)``).
 
-One scheduler (one model runner) per process, so a module-level holder is enough; it is created
-by the attention backend when SGLang builds it (after the KV pool exists).
+``STATE.scheduler`` lives in each scheduler process (one model runner per process), built when
+SGLang builds the attention backend (after the KV pool exists); ``STATE.http`` in the main
+process. Spawned processes start from a fresh ``STATE``.
 """
 
 from __future__ import annotations
 
+import contextvars
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 
+from sglang_sparse.core.chain_index import ChainCacheIndex
 from sglang_sparse.core.controller import SparseController
 from sglang_sparse.core.events import StepInfo
+from sglang_sparse.srt.chains.records import Parked, ReqChain
+from sglang_sparse.srt.prune.job import Job
 
-controller: SparseController | None = None
-current_step: StepInfo | None = None
-# Per request row: logical length minus resident rows (tokens whose KV was evicted). Decode RoPE
-# positions are ``seq_lens - 1 + pos_offset[row]`` (SGLang's seq_lens counts resident rows).
-pos_offset: torch.Tensor | None = None
-# Chain Cache (srt/chains.py): the index of this scheduler's chains, and what a chain must match.
-chains = None
-chain_fingerprint: str = ""
 
-# Prefix-cache pruning (srt/prune.py): planned jobs by id, and the req_to_token rows of running
-# probe requests (the attention backend sees rows, not requests).
-prune_jobs: dict = {}
-probe_rows: dict = {}
+@dataclass
+class ReqSparse:
+    """sglang_sparse's per-request state, ``req.sparse`` on SGLang's ``Req``."""
 
-# Slot-census failures seen by the every-step check (srt/integrity.py).
-integrity_violations: int = 0
+    chain: ReqChain | None = None  # the request's chain (Chain Cache on)
+    park: Parked | None = None  # what the chain keeps once the request finishes (snapshot at release)
+    # Rows vs logical positions (engine/rows.py): the request's resident rows stand for more
+    # logical tokens than they are. ``gap`` is what a radix match found without KV (a pruned
+    # path, N - P); ``start_offset`` what the first extend must apply (the gap, or a resumed
+    # chain's N - P); ``offset`` the RoPE offset applied to its rows (None until the first extend).
+    gap: int = 0
+    start_offset: int = 0
+    offset: int | None = None
+    probe: Job | None = None  # this request is the scoring probe of a pruning job
+    probe_cap: int | None = None  # ... whose prefix match stops here (snapkv policy)
+
+
+def sparse(req) -> ReqSparse:
+    """``req.sparse``, created on first use."""
+    st = getattr(req, "sparse", None)
+    if st is None:
+        st = req.sparse = ReqSparse()
+    return st
+
+
+@dataclass
+class SchedulerState:
+    controller: SparseController | None = None
+    current_step: StepInfo | None = None  # the forward step running now (None between steps)
+    # Per req_to_token row: logical length minus resident rows (tokens without KV before them).
+    # RoPE positions are ``row + pos_offset[row]`` (engine/rows.py).
+    pos_offset: torch.Tensor | None = None
+    chains: ChainCacheIndex | None = None  # Chain Cache on
+    chain_fingerprint: str = ""  # model + method + options: what a chain must match to resume
+    prune_jobs: dict[str, Job] = field(default_factory=dict)  # planned pruning jobs by id
+    probe_rows: dict[int, Job] = field(default_factory=dict)  # req_to_token rows of running probes
+    prune_ids: Any = field(default_factory=lambda: itertools.count(1))
+    refused_head: str | None = None  # the waiting queue's head at the last admission round
+    integrity_violations: int = 0  # failed every-step censuses (cache/integrity.py)
+    metrics: Any = None  # metrics.SchedulerMetrics once --enable-metrics is seen
+
+
+@dataclass
+class HttpState:
+    prunes: dict[str, dict] = field(default_factory=dict)  # /prune job records (newest KEEP_RECORDS)
+    prune_tasks: set = field(default_factory=set)  # running /prune coroutines (kept referenced)
+    local_ids: Any = field(default_factory=lambda: itertools.count(1))
+    prune_gauge: Any = None  # metrics' prune-job gauge
+    inflight: dict[str, tuple[str, Any]] = field(default_factory=dict)  # chain id -> (rid, HTTP request)
+    # set by a streaming handler, read by the generator wrapper it runs (http/requests.py)
+    refusal: contextvars.ContextVar = field(
+        default_factory=lambda: contextvars.ContextVar("sglang_sparse_refusal", default=None))
+    # chain fields of the request a streaming OpenAI handler serves, by choice (chains/http.py)
+    stream_chain: contextvars.ContextVar = field(
+        default_factory=lambda: contextvars.ContextVar("sglang_sparse_stream_chain", default=None))
+
+
+@dataclass
+class ProcessState:
+    loaded: bool = False  # the plugin ran in this process
+    applied: list = field(default_factory=list)  # inventory entries applied here (plugin.py)
+    scheduler: SchedulerState = field(default_factory=SchedulerState)
+    http: HttpState = field(default_factory=HttpState)
+
+
+STATE = ProcessState()

@@ -1,10 +1,12 @@
-"""Where the plugin reports what it did, per process.
+"""What the extension reports, per process: configuration, applied patches, KV accounting.
 
-- Scheduler side: an AFTER hook on ``SchedulerInternalStateController.get_internal_state`` adds an
-  ``sglang_sparse`` entry (pid, process name, this process's registrations) to every internal-state
-  readback, so ``/server_info`` and ``/sparse/info`` show what ran *inside* each scheduler.
-- Launcher side: the ``GET /sparse/info`` route (main process only) returns the launcher's own
-  record plus each scheduler's.
+- Scheduler side: ``add_scheduler_record`` (AFTER SGLang's internal-state readback) adds an
+  ``sglang_sparse`` record (pid, process, the patches applied there, stats, chains) to every
+  internal-state readback, so ``/server_info`` and ``/sparse/*`` show what runs *inside* each
+  scheduler.
+- HTTP side: ``GET /sparse/info`` (the launcher's record and each scheduler's), ``GET
+  /sparse/stats`` (``scheduler_stats`` of each scheduler), ``GET /chain``, ``GET|DELETE
+  /chain/{id}``.
 """
 
 from __future__ import annotations
@@ -14,16 +16,10 @@ import os
 
 from sglang_sparse import __version__
 from sglang_sparse.srt import activation
-from sglang_sparse.srt.admin_http import admin_route, control
+from sglang_sparse.srt.admin import ops
+from sglang_sparse.srt.admin.http import admin_route, call
+from sglang_sparse.srt.state import STATE
 from sglang_sparse.validation import RequestError, show
-
-# What this process registered, in order. Filled by ``plugin.load``.
-REGISTRATIONS: list[str] = []
-
-INTERNAL_STATE_TARGET = (
-    "sglang.srt.managers.scheduler_components.internal_state."
-    "SchedulerInternalStateController.get_internal_state"
-)
 
 
 def process_record() -> dict:
@@ -33,18 +29,20 @@ def process_record() -> dict:
         "version": __version__,
         "pid": os.getpid(),
         "process": multiprocessing.current_process().name,
-        "registrations": list(REGISTRATIONS),
+        "registrations": [p.name for p in STATE.applied],
+        "patches": [p.describe() for p in STATE.applied],
         "rope_plain_torch_path": bool(rope_base._is_mps),
     }
 
 
 def scheduler_stats(scheduler) -> dict | None:
     """KV accounting of one scheduler plus its controller's view (None if no method runs)."""
-    from sglang_sparse.srt import integrity, state
+    from sglang_sparse.srt.cache import integrity
 
-    if state.controller is None:
+    st = STATE.scheduler
+    if st.controller is None:
         return None
-    stats = state.controller.stats()
+    stats = st.controller.stats()
     owners = residency(scheduler)
     logical = sum(o["logical_tokens"] for o in owners.values())
     retained = sum(o["retained_tokens"] for o in owners.values())
@@ -57,12 +55,12 @@ def scheduler_stats(scheduler) -> dict | None:
         "retained_tokens": retained,
         "compression_ratio": round(logical / retained, 3) if retained else None,
         "by_owner": owners,
-        "running_requests": len(state.controller.cache.requests),
+        "running_requests": len(st.controller.cache.requests),
         "steps": stats["steps"],
-        "counters": {**stats["counters"], "integrity_violations": state.integrity_violations},
+        "counters": {**stats["counters"], "integrity_violations": st.integrity_violations},
         "radix": _radix_stats(scheduler.tree_cache),
         "integrity": integrity.check_integrity(scheduler),  # every KV slot has exactly one owner
-        **_chain_stats(state.chains),
+        **_chain_stats(st.chains),
     }
 
 
@@ -72,17 +70,19 @@ def residency(scheduler) -> dict:
     ``cache_protected_len``; the tokens of its radix-cached prefix belong to the tree); an idle
     chain owns its parked rows (``chains.parked``; a pinned full-KV chain owns nothing: its path is
     in the tree)."""
-    from sglang_sparse.srt import chains, integrity, state
+    from sglang_sparse.srt.chains import scheduler as chains
+    from sglang_sparse.srt.engine.held import scheduler_requests
+    from sglang_sparse.srt.state import sparse
 
-    known = state.controller.cache.requests
+    known = STATE.scheduler.controller.cache.requests
     req_logical = req_rows = 0
-    for req in integrity.scheduler_requests(scheduler):
+    for req in scheduler_requests(scheduler):
         rs = known.get(req.rid)
         if rs is None or not req.kv.holds_kv:
             continue
         in_tree = req.kv.cache_protected_len  # rows [0, protected) are tree slots
         req_rows += rs.retained.n_rows - in_tree
-        req_logical += rs.retained.logical_len - in_tree - (getattr(req, "sparse_gap", 0) or 0)
+        req_logical += rs.retained.logical_len - in_tree - sparse(req).gap
     tree = getattr(scheduler.tree_cache, "tree", None)
     tree_logical = sum(len(n.key) for n in tree.nodes()) if tree is not None else 0
     tree_rows = tree.total_retained() if tree is not None else 0
@@ -116,21 +116,14 @@ def _chain_stats(index) -> dict:
     return {"chains": by_status, "chain_idle_rows": index.idle_rows()}
 
 
-def _add_scheduler_record(result, controller, *args, **kwargs):
+def add_scheduler_record(result, controller, *args, **kwargs):
     record = process_record()
     record["stats"] = scheduler_stats(controller.scheduler)
-    from sglang_sparse.srt import state
-
-    if state.chains is not None:
-        record["chains"] = [rec.describe() for rec in state.chains.chains.values()]
+    chains = STATE.scheduler.chains
+    if chains is not None:
+        record["chains"] = [rec.describe() for rec in chains.chains.values()]
     result.internal_state["sglang_sparse"] = record
     return result
-
-
-def register_scheduler_status() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(INTERNAL_STATE_TARGET, _add_scheduler_record, HookType.AFTER)
 
 
 async def sparse_info():
@@ -180,23 +173,4 @@ async def get_chain(chain_id: str):
 @admin_route
 async def delete_chain(chain_id: str):
     """DELETE /chain/{chain_id}: drop a chain no request is using and free its rows."""
-    return await control("chain_delete", {"chain_id": chain_id})
-
-
-def register_routes() -> None:
-    """Admin routes live in the HTTP server, i.e. the main process only."""
-    if multiprocessing.current_process().name != "MainProcess":
-        return
-    from sglang.srt.entrypoints.http_server import app
-
-    app.add_api_route("/sparse/info", sparse_info, methods=["GET"])
-    app.add_api_route("/sparse/stats", sparse_stats, methods=["GET"])
-    REGISTRATIONS.extend(["route:/sparse/info", "route:/sparse/stats"])
-    from sglang_sparse.srt import prune_api
-
-    REGISTRATIONS.extend(prune_api.register_routes(app))
-    if activation.load_config().get("chain_cache"):
-        app.add_api_route("/chain", list_chains, methods=["GET"])
-        app.add_api_route("/chain/{chain_id}", get_chain, methods=["GET"])
-        app.add_api_route("/chain/{chain_id}", delete_chain, methods=["DELETE"])
-        REGISTRATIONS.extend(["route:/chain", "route:/chain/{id}", "route:DELETE /chain/{id}"])
+    return await call(ops.ChainDelete(chain_id))

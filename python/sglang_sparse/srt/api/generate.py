@@ -22,19 +22,14 @@ Errors use SGLang's bodies, as a non-streamed request gets them: on ``/generate`
 
 from __future__ import annotations
 
-import contextvars
 import functools
+import types
 from dataclasses import dataclass
 
 from sglang_sparse.validation import RequestError, check_token_ids, expect_chain_id, expect_int, is_int, show
 from sglang_sparse.srt import activation
-from sglang_sparse.srt.admin_http import generate_error_response
-
-TOKENIZER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
-GENERATE_ROUTE = "sglang.srt.entrypoints.http_server.serve_generate_request"
-CONTRACT_CHECK = "sglang.srt.entrypoints.api_contract.generate_contract_error"
-OPENAI_ROUTE = "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request"
-
+from sglang_sparse.srt.admin.http import generate_error_response
+from sglang_sparse.srt.state import STATE
 
 # -- prompts ---------------------------------------------------------------------------------------
 def before_validate_one_request(manager, obj, input_ids, *args, **kwargs):
@@ -75,7 +70,8 @@ def _culprit(check, body: dict, prefix: str = "") -> str | None:
 
 
 MAX_N = 128  # parallel samples per prompt (OpenAI's own limit)
-SESSION_FIELDS = {"id": str, "rid": str, "offset": int, "replace": bool, "drop_previous_output": bool}
+SESSION_FIELDS = types.MappingProxyType(
+    {"id": str, "rid": str, "offset": int, "replace": bool, "drop_previous_output": bool})
 
 
 def check_generate_fields(obj, prompts: int) -> None:
@@ -207,14 +203,11 @@ class Refusal:
     message: str = ""
 
 
-_REFUSAL = contextvars.ContextVar("sglang_sparse_refusal", default=None)
-
-
 def watch_first_output(outputs):
     """Wrap ``TokenizerManager.generate_request``'s generator: a refusal before any output (an
     abort with an HTTP status, or a ValueError raised while the request is checked) is noted for
     ``_prime``, which runs this generator's first step in its own context."""
-    holder = _REFUSAL.get()
+    holder = STATE.http.refusal.get()
     if holder is None:
         return outputs
 
@@ -250,7 +243,7 @@ async def _prime(response, refused_response):
 
     if not isinstance(response, StreamingResponse):
         return response
-    holder = _REFUSAL.get()
+    holder = STATE.http.refusal.get()
     body = response.body_iterator
     try:
         first = await body.__anext__()
@@ -279,13 +272,13 @@ async def around_serve_generate(original, obj, request, *args, **kwargs):
         return generate_error_response(err.status, err.message, err.field)
     if body.get("chain_id") is not None:
         obj.sampling_params = _with_chain_id(obj.sampling_params, chain_id)
-    token = _REFUSAL.set(Refusal()) if obj.stream else None
+    token = STATE.http.refusal.set(Refusal()) if obj.stream else None
     try:
         response = await original(obj, request, *args, **kwargs)
         return await _prime(response, generate_error_response) if obj.stream else response
     finally:
         if token is not None:
-            _REFUSAL.reset(token)
+            STATE.http.refusal.reset(token)
 
 
 async def around_openai_request(original, serving, request, raw_request, *args, **kwargs):
@@ -304,7 +297,7 @@ async def around_openai_request(original, serving, request, raw_request, *args, 
     if chain_id is not None:
         request.custom_params = {**custom, "chain_id": chain_id}
     stream = bool(getattr(request, "stream", False))
-    token = _REFUSAL.set(Refusal()) if stream else None
+    token = STATE.http.refusal.set(Refusal()) if stream else None
     try:
         response = await original(serving, request, raw_request, *args, **kwargs)
         if not stream:
@@ -313,19 +306,18 @@ async def around_openai_request(original, serving, request, raw_request, *args, 
             message, err_type="BadRequest" if status == 400 else str(status), status_code=status))
     finally:
         if token is not None:
-            _REFUSAL.reset(token)
+            STATE.http.refusal.reset(token)
 
 
 # -- a retry after a cancel -------------------------------------------------------------------------
-# Requests running on a named chain: chain id -> (rid, HTTP request). SGLang notices a client that
-# went away only at the request's next output or after a few seconds of waiting; a retry on the
-# same chain in that window would meet the chain still busy (409) although it is already lost.
-_INFLIGHT: dict[str, tuple[str, object]] = {}
-
+# Requests running on a named chain (STATE.http.inflight: chain id -> (rid, HTTP request)). SGLang
+# notices a client that went away only at the request's next output or after a few seconds of
+# waiting; a retry on the same chain in that window would meet the chain still busy (409)
+# although it is already lost.
 
 def _forget(chain_id: str, rid: str) -> None:
-    if _INFLIGHT.get(chain_id, (None,))[0] == rid:
-        del _INFLIGHT[chain_id]
+    if STATE.http.inflight.get(chain_id, (None,))[0] == rid:
+        del STATE.http.inflight[chain_id]
 
 
 def _named_chain(obj):
@@ -348,10 +340,10 @@ def around_generate_request(original, manager, obj, request=None, *args, **kwarg
         obj.rid = uuid.uuid4().hex  # a chain request is one prompt, one sample (check_chain_fields)
 
     async def tracked():
-        prev = _INFLIGHT.get(chain_id)
+        prev = STATE.http.inflight.get(chain_id)
         if prev is not None and prev[1] is not None and await prev[1].is_disconnected():
             manager.abort_request(prev[0])
-        _INFLIGHT[chain_id] = (obj.rid, request)
+        STATE.http.inflight[chain_id] = (obj.rid, request)
         done = False
         try:
             async for out in original(manager, obj, request, *args, **kwargs):
@@ -368,29 +360,11 @@ def around_generate_request(original, manager, obj, request=None, *args, **kwarg
     return watch_first_output(tracked())
 
 
-def register() -> list[str]:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(f"{TOKENIZER}._validate_one_request", before_validate_one_request, HookType.BEFORE)
-    HookRegistry.register(f"{TOKENIZER}.generate_request", around_generate_request, HookType.AROUND)
-    HookRegistry.register(GENERATE_ROUTE, around_serve_generate, HookType.AROUND)
-    HookRegistry.register(CONTRACT_CHECK, around_contract_error, HookType.AROUND)
-    HookRegistry.register(OPENAI_ROUTE, around_openai_request, HookType.AROUND)
-    install_validation_handler()
-    return ["hook:prompt-checks", "hook:stream-refusals", "hook:chain-id-generate", "hook:chain-id-openai",
-            "hook:generate-contract-field", "exception-handler:request-validation"]
-
-
-def install_validation_handler() -> None:
-    """FastAPI's request-validation errors, as SGLang renders them, carry ``str(exc)``: the
+def validation_handler(sglang_handler):
+    """The handler of FastAPI's request-validation errors. SGLang's renders ``str(exc)``: the
     endpoint's file path and line. The same ``ErrorResponse`` is built from the error list
     alone (field path and pydantic's sentence); SGLang's own shapes for ``/v1/messages`` and
-    ``/v1/systemone`` are left to its handler."""
-    from fastapi.exceptions import RequestValidationError
-    from sglang.srt.entrypoints import http_server
-
-    app = http_server.app
-    sglang_handler = app.exception_handlers.get(RequestValidationError)
+    ``/v1/systemone`` are left to its handler (``sglang_handler``)."""
 
     async def handler(request, exc):
         path = request.url.path
@@ -408,4 +382,4 @@ def install_validation_handler() -> None:
         return JSONResponse({"object": "error", "message": "; ".join(parts) + more, "type": "Bad Request",
                              "param": first or None, "code": 400}, status_code=400)
 
-    app.add_exception_handler(RequestValidationError, handler)
+    return handler

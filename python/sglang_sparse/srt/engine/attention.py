@@ -4,7 +4,7 @@
 under their names when an sglang_sparse server runs (so SGLang's rules for each name apply):
 
 - ``torch_native`` (``SparseTorchNativeBackend``): the CPU path;
-- ``triton`` (``SparseTritonBackend``, in ``attention_triton``): the CUDA path.
+- ``triton`` (``SparseTritonBackend``, in ``engine/attention_triton.py``): the CUDA path.
 
 Per layer: write this step's KV, ask the controller for the view, run attention over it (no view:
 the backend's own dense kernel over the resident rows; a DecodeView: ``kernels.decode``, i.e.
@@ -24,7 +24,8 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang_sparse.core.events import DecodeBatch, LayerInput
 from sglang_sparse.core.views import DecodeView
 from sglang_sparse.kernels.decode import decode_over_pages, decode_over_views
-from sglang_sparse.srt import prune, state
+from sglang_sparse.srt.prune import scheduler as prune
+from sglang_sparse.srt.state import STATE
 
 
 class SparseHooks:
@@ -37,7 +38,7 @@ class SparseHooks:
         d = layer.qk_head_dim
         return LayerInput(
             layer.layer_id,
-            state.current_step,
+            STATE.scheduler.current_step,
             q.reshape(-1, layer.tp_q_head_num, d),
             k.reshape(-1, layer.tp_k_head_num, d),
             v.reshape(-1, layer.tp_k_head_num, layer.v_head_dim),
@@ -53,9 +54,9 @@ class SparseHooks:
     def _hooked(self, k, layer, save_kv_cache, extra: dict) -> bool:
         """A running method's step with per-layer Python hooks."""
         return (
-            state.controller is not None
-            and state.controller.layer_hooks
-            and state.current_step is not None
+            STATE.scheduler.controller is not None
+            and STATE.scheduler.controller.layer_hooks
+            and STATE.scheduler.current_step is not None
             and self._plain(k, layer, save_kv_cache, extra)
         )
 
@@ -65,15 +66,15 @@ class SparseHooks:
         else:
             self._write_kv(k, v, layer, forward_batch)
             inp = self._layer_input(q, k, v, layer)
-            state.controller.attention_view(inp)  # prefill stays dense (no sparse-prefill method yet)
+            STATE.scheduler.controller.attention_view(inp)  # prefill stays dense (no sparse-prefill method yet)
             o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache=False)
-            state.controller.attention_done(inp, o.view(-1, layer.tp_q_head_num, layer.v_head_dim))
-        if state.probe_rows and self._plain(k, layer, save_kv_cache, kwargs):
+            STATE.scheduler.controller.attention_done(inp, o.view(-1, layer.tp_q_head_num, layer.v_head_dim))
+        if STATE.scheduler.probe_rows and self._plain(k, layer, save_kv_cache, kwargs):
             prune.capture(self, q, layer, forward_batch)  # a /prune probe scores its interval
         return o
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        ctl = state.controller
+        ctl = STATE.scheduler.controller
         if ctl is not None and ctl.graph_decode and self._plain(k, layer, save_kv_cache, kwargs):
             # Also runs while SGLang captures a decode CUDA graph (no current step then).
             return self._graph_safe_decode(q, k, v, layer, forward_batch)
@@ -81,12 +82,12 @@ class SparseHooks:
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         self._write_kv(k, v, layer, forward_batch)
         inp = self._layer_input(q, k, v, layer)
-        view = state.controller.attention_view(inp)
+        view = STATE.scheduler.controller.attention_view(inp)
         if view is None:
             o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache=False)
         else:
             o = self._decode_over_view(inp, view, layer, forward_batch)
-        state.controller.attention_done(inp, o.view(-1, layer.tp_q_head_num, layer.v_head_dim))
+        STATE.scheduler.controller.attention_done(inp, o.view(-1, layer.tp_q_head_num, layer.v_head_dim))
         return o
 
     def _graph_safe_decode(self, q, k, v, layer, forward_batch):
@@ -101,7 +102,7 @@ class SparseHooks:
         batch = DecodeBatch(layer.layer_id, q3, k.reshape(-1, layer.tp_k_head_num, d),
                             forward_batch.req_pool_indices, forward_batch.seq_lens,
                             forward_batch.out_cache_loc, table, k_cache, v_cache)
-        view = state.controller.decode_view_tensors(batch)
+        view = STATE.scheduler.controller.decode_view_tensors(batch)
         if view is None:
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache=False)
         out = decode_over_pages(q3, k_cache, v_cache, table, forward_batch.req_pool_indices,
@@ -129,11 +130,3 @@ class SparseTorchNativeBackend(SparseHooks, TorchNativeAttnBackend):
         self.token_to_kv_pool.set_kv_buffer(
             layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
         )
-
-
-def create_backend(model_runner):
-    from sglang_sparse.srt import controller_setup
-
-    backend = SparseTorchNativeBackend(model_runner)
-    controller_setup.ensure_controller(model_runner)
-    return backend

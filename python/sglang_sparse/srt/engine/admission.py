@@ -21,15 +21,12 @@ Installed only when the method evicts; dense and Quest keep SGLang's own arithme
 
 from __future__ import annotations
 
-from sglang_sparse.srt import state
+import functools
 
-ADDER_CLASS_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class"
-ARRIVAL_TARGET = "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator.max_new_tokens_for_memory"
-REQUEST_LENGTH_TARGET = "sglang.srt.managers.scheduler.Scheduler.init_req_max_new_tokens"
-
+from sglang_sparse.srt.state import STATE
 
 def _evicting_controller():
-    ctl = state.controller
+    ctl = STATE.scheduler.controller
     return ctl if ctl is not None and ctl.oracle.evicts else None
 
 
@@ -56,13 +53,10 @@ def around_init_req_max_new_tokens(original, scheduler, req, *args, **kwargs):
         scheduler.max_req_len = saved
 
 
-_adder_classes: dict[type, type] = {}
-
-
+@functools.cache
 def _oracle_adder(base: type) -> type:
-    """A PrefillAdder subclass whose reservations come from the controller's MemoryOracle."""
-    if base in _adder_classes:
-        return _adder_classes[base]
+    """A PrefillAdder subclass whose reservations come from the controller's MemoryOracle (one
+    per SGLang adder class)."""
 
     class OracleAdmissionAdder(base):
         _oracle_prompt_len: int | None = None
@@ -79,7 +73,7 @@ def _oracle_adder(base: type) -> type:
 
         def _check_prefill_budget(self, req, *, total_tokens, **kwargs):
             max_new = self._swa_new_tokens(req)  # = the max_new that add_one_req put in total_tokens
-            reserve = state.controller.oracle.decode_reserve(len(req.origin_input_ids), max_new)
+            reserve = STATE.scheduler.controller.oracle.decode_reserve(len(req.origin_input_ids), max_new)
             return super()._check_prefill_budget(req, total_tokens=total_tokens - max_new + reserve, **kwargs)
 
         def _commit_prefill_admission(self, req, *args, **kwargs):
@@ -99,22 +93,12 @@ def _oracle_adder(base: type) -> type:
         def _update_prefill_budget(self, prefix_len, extend_input_len, max_new_tokens, *args, **kwargs):
             # max_new_tokens is non-zero only with a request's last prompt chunk.
             if max_new_tokens and self._oracle_prompt_len is not None:
-                max_new_tokens = state.controller.decode_reserve(self._oracle_prompt_len, max_new_tokens)
+                max_new_tokens = STATE.scheduler.controller.decode_reserve(self._oracle_prompt_len, max_new_tokens)
             return super()._update_prefill_budget(prefix_len, extend_input_len, max_new_tokens, *args, **kwargs)
 
     OracleAdmissionAdder.__name__ = f"OracleAdmission{base.__name__}"
-    _adder_classes[base] = OracleAdmissionAdder
     return OracleAdmissionAdder
 
 
 def after_get_prefill_adder_class(result, *args, **kwargs):
     return _oracle_adder(result) if _evicting_controller() is not None else result
-
-
-def register() -> list[str]:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(ADDER_CLASS_TARGET, after_get_prefill_adder_class, HookType.AFTER)
-    HookRegistry.register(ARRIVAL_TARGET, around_max_new_tokens_for_memory, HookType.AROUND)
-    HookRegistry.register(REQUEST_LENGTH_TARGET, around_init_req_max_new_tokens, HookType.AROUND)
-    return ["hook:admission-oracle", "hook:arrival-oracle"]

@@ -1,5 +1,5 @@
-"""What every admin route of sglang_sparse shares (main process): reading the JSON body, the
-error body, and the round trip of an admin operation to the scheduler.
+"""What every admin route of sglang_sparse shares (HTTP process): reading the JSON body, the
+error body, and ``call``, the one round trip of an admin operation to the scheduler.
 
 Errors are SGLang's ``ErrorResponse`` body, as its ``HTTPException`` handler renders it
 (``{"object": "error", "message", "type", "param", "code"}``; ``param`` names the field); a
@@ -13,12 +13,10 @@ from __future__ import annotations
 import functools
 import logging
 
+from sglang_sparse.srt.admin import ops
 from sglang_sparse.validation import MAX_BODY_BYTES, RequestError
 
 logger = logging.getLogger("sglang_sparse")
-
-CONTROL_PREFIX = "sglang_sparse/"
-
 
 def error_response(status: int, message: str, param: str | None = None):
     """SGLang's ``ErrorResponse`` (what its HTTPException handler answers)."""
@@ -70,19 +68,19 @@ async def json_body(request) -> dict:
     return body
 
 
-async def control(op: str, body: dict) -> dict:
-    """Run admin operation ``op`` in the scheduler (SGLang's dumper-control round trip, see
-    ``chains.around_dumper_control``); a result with an HTTP status >= 400 is raised."""
+async def call(op) -> dict:
+    """Run an admin operation (``admin/ops.py``) in the scheduler and return its result; a
+    result with an HTTP status >= 400 is raised as RequestError."""
     from sglang.srt.entrypoints.http_server import get_global_state
     from sglang.srt.managers.io_struct import DumperControlReqInput
 
-    tm = get_global_state().tokenizer_manager
-    outs = await tm.dumper_control(DumperControlReqInput(method=f"{CONTROL_PREFIX}{op}", body=body))
+    method, body = ops.encode(op)
+    outs = await get_global_state().tokenizer_manager.dumper_control(DumperControlReqInput(method=method, body=body))
     out = outs[0]
     if not out.success or not out.response:
-        logger.error("sglang_sparse: admin operation %s failed in the scheduler: %s", op, out.error)
-        raise RequestError("", f"the admin operation {op} failed in the scheduler; the server log has the details",
-                           status=500)
+        logger.error("sglang_sparse: admin operation %s failed in the scheduler: %s", method, out.error)
+        raise RequestError("", f"the admin operation {type(op).__name__} failed in the scheduler; the server log "
+                               "has the details", status=500)
     result = out.response[0]
     if isinstance(result.get("status"), int) and result["status"] >= 400:
         raise RequestError("", result["message"], status=result["status"])

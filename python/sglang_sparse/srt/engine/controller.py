@@ -8,29 +8,30 @@ import torch
 
 from sglang_sparse.core.cache_manager import CacheManager
 from sglang_sparse.core.controller import SparseController
-from sglang_sparse.registry import build_config, get_method
-from sglang_sparse.srt import activation, state
-from sglang_sparse.srt.kv_store import SGLangKVStore
+from sglang_sparse.methods import build_config, get_method
+from sglang_sparse.srt import activation
+from sglang_sparse.srt.chains import scheduler as chains
+from sglang_sparse.srt.engine.kv_store import SGLangKVStore
+from sglang_sparse.srt.state import STATE
 
 logger = logging.getLogger("sglang_sparse")
 
 
 def ensure_controller(model_runner) -> SparseController:
-    if state.controller is None:
+    st = STATE.scheduler
+    if st.controller is None:
         config = activation.load_config()
         method = config.get("method", "dense")
         spec = get_method(method)
         store = SGLangKVStore(model_runner)
         kv_heads = model_runner.token_to_kv_pool.head_num
         runtime = spec.runtime_cls(CacheManager(store, kv_heads), build_config(method, config.get("options")))
-        state.controller = SparseController(runtime)
+        st.controller = SparseController(runtime)
         # RoPE offsets of rows with logical tokens before them that hold no KV (evicted, or pruned
-        # out of a radix path): any method can meet the latter (see state.pos_offset).
+        # out of a radix path): any method can meet the latter (engine/rows.py).
         rows = model_runner.req_to_token_pool.req_to_token.shape[0]
-        state.pos_offset = torch.zeros(rows, dtype=torch.int64, device=model_runner.device)
-        from sglang_sparse.srt import chains
-
+        st.pos_offset = torch.zeros(rows, dtype=torch.int64, device=model_runner.device)
         chains.setup(model_runner, config)
         logger.info("sglang_sparse: method %s %s, chain cache %s", method, config.get("options"),
-                    "on" if state.chains is not None else "off")
-    return state.controller
+                    "on" if st.chains is not None else "off")
+    return st.controller

@@ -1,7 +1,7 @@
 """The CUDA path: SGLang's Triton attention backend with the sparse per-layer hooks.
 
 Dense attention (prefill, and decode without a view) is SGLang's own Triton kernels over the
-resident rows (SGLang's ``seq_lens`` count rows, see ``state.pos_offset``); decode over a
+resident rows (SGLang's ``seq_lens`` count rows, see ``engine/rows.py``); decode over a
 DecodeView is sgl-kernel-sparse's kernel (``kernels.decode``). Imported only when SGLang builds
 a ``triton`` backend, so the CPU path never loads it.
 """
@@ -11,18 +11,10 @@ from __future__ import annotations
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from sglang_sparse.srt.attention import SparseHooks
+from sglang_sparse.srt.engine.attention import SparseHooks
 
 
 class SparseTritonBackend(SparseHooks, TritonAttnBackend):
     def _write_kv(self, k, v, layer, forward_batch) -> None:
         loc = KVWriteLoc.for_batch(forward_batch, swa_loc=self.forward_metadata.swa_out_cache_loc)
         self._set_kv_buffer(forward_batch, layer, loc, k, v, layer.k_scale, layer.v_scale)
-
-
-def create_backend(model_runner):
-    from sglang_sparse.srt import controller_setup
-
-    backend = SparseTritonBackend(model_runner)
-    controller_setup.ensure_controller(model_runner)
-    return backend

@@ -10,27 +10,25 @@
   priority, pruning records), ``POST /prefix/priority`` (eviction priority of a prefix path),
   ``POST /prefix/delete`` (drop an idle cached subtree).
 
-Each step runs in the scheduler through the dumper-control round trip (``chains.around_dumper_control``);
-the scoring probe is an ordinary generation request (``srt/prune.py``).
+Each step runs in the scheduler as a typed admin operation (``admin/ops.py``, ``admin.http.call``);
+the scoring probe is an ordinary generation request (``prune/scheduler.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 
 from fastapi import Request  # the handlers' annotation (FastAPI resolves it by name)
 
 from sglang_sparse.core.pruning import POLICIES
 from sglang_sparse.srt import metrics
-from sglang_sparse.srt.admin_http import admin_route, control, json_body
+from sglang_sparse.srt.admin import ops
+from sglang_sparse.srt.admin.http import admin_route, call, json_body
+from sglang_sparse.srt.state import STATE
 from sglang_sparse.validation import (RequestError, expect_bool, expect_int, expect_messages,
                                       expect_number, expect_token_ids, is_int, optional_str, show)
 
-PRUNES: dict[str, dict] = {}  # job records for GET /prune/{id}: the newest KEEP_RECORDS
-KEEP_RECORDS = 1024
-_tasks: set = set()
-_local_ids = itertools.count(1)
+KEEP_RECORDS = 1024  # /prune job records kept for GET /prune/{id} (the newest)
 
 
 def _tokenizer_manager():
@@ -104,11 +102,11 @@ def _probe_ids(plan: dict, tokens: list[int], policy: str) -> list[int]:
 async def _run(record: dict, tokens: list[int], policy: str) -> None:
     from sglang.srt.managers.io_struct import GenerateReqInput
 
-    from sglang_sparse.srt.prune import PROBE_KEY
+    from sglang_sparse.srt.prune.job import PROBE_KEY
 
     pid = record["prune_id"]
     record["status"] = "running"
-    metrics.prune_jobs_changed(PRUNES.values())
+    metrics.prune_jobs_changed(STATE.http.prunes.values())
     try:
         probe = GenerateReqInput(
             input_ids=_probe_ids(record, tokens, policy), rid=f"{pid}-probe",
@@ -116,16 +114,16 @@ async def _run(record: dict, tokens: list[int], policy: str) -> None:
                              "custom_params": {PROBE_KEY: pid}})
         async for _ in _tokenizer_manager().generate_request(probe, None):
             pass
-        result = await control("prune_apply", {"prune_id": pid})
+        result = await call(ops.PruneApply(pid))
         record.update(result)
-        metrics.prune_jobs_changed(PRUNES.values())
+        metrics.prune_jobs_changed(STATE.http.prunes.values())
     except Exception as err:  # noqa: BLE001 - reported in the record
         record.update(status="failed", reason=getattr(err, "message", None) or type(err).__name__)
         try:
-            await control("prune_forget", {"prune_id": pid})
+            await call(ops.PruneForget(pid))
         except Exception:  # noqa: BLE001
             pass
-        metrics.prune_jobs_changed(PRUNES.values())
+        metrics.prune_jobs_changed(STATE.http.prunes.values())
 
 
 @admin_route
@@ -140,23 +138,23 @@ async def prune(request: Request):
         raise RequestError("policy", f"unknown policy {show(policy)}: policy must be one of {', '.join(POLICIES)}")
     wait = expect_bool("wait", body.get("wait", False))
     ranges = _ranges(body.get("ranges"))
-    plan = await control("prune_plan", {"ranges": ranges, **_target(body), **_namespace(body),
-                                        "token_ids": tokens, "policy": policy})
+    plan = await call(ops.PrunePlan(tokens, ranges, policy, **_target(body), **_namespace(body)))
     ranges = sorted(tuple(r) for r in ranges)
-    record = {"prune_id": plan.get("prune_id") or f"prune-blocked-{next(_local_ids)}", "policy": policy,
+    record = {"prune_id": plan.get("prune_id") or f"prune-blocked-{next(STATE.http.local_ids)}", "policy": policy,
               "ranges": [list(r) for r in ranges],
               "original_tokens": sum(b - a for a, b in ranges), **plan}
     record["retained_before"] = record.pop("retained_tokens", None)
-    PRUNES[record["prune_id"]] = record
-    while len(PRUNES) > KEEP_RECORDS:
-        del PRUNES[next(iter(PRUNES))]
-    metrics.prune_jobs_changed(PRUNES.values())
+    prunes = STATE.http.prunes
+    prunes[record["prune_id"]] = record
+    while len(prunes) > KEEP_RECORDS:
+        del prunes[next(iter(prunes))]
+    metrics.prune_jobs_changed(STATE.http.prunes.values())
     if plan["status"] == "blocked":
         return JSONResponse(record, status_code=200 if wait else 202)
     record["retained_tokens"] = record["retained_before"]
     task = asyncio.ensure_future(_run(record, tokens, policy))
-    _tasks.add(task)
-    task.add_done_callback(_tasks.discard)
+    STATE.http.prune_tasks.add(task)
+    task.add_done_callback(STATE.http.prune_tasks.discard)
     if wait:
         await task
         return JSONResponse(record, status_code=200)
@@ -166,7 +164,7 @@ async def prune(request: Request):
 @admin_route
 async def get_prune(prune_id: str):
     """GET /prune/{prune_id}."""
-    record = PRUNES.get(prune_id)
+    record = STATE.http.prunes.get(prune_id)
     if record is None:
         raise RequestError("prune_id", f"unknown pruning job {show(prune_id)}", status=404)
     return record
@@ -175,28 +173,17 @@ async def get_prune(prune_id: str):
 @admin_route
 async def inspect_prefix(request: Request):
     body = await json_body(request)
-    return await control("prefix_inspect", {"token_ids": _token_ids(body), **_namespace(body)})
+    return await call(ops.PrefixInspect(_token_ids(body), **_namespace(body)))
 
 
 @admin_route
 async def prefix_priority(request: Request):
     body = await json_body(request)
     priority = expect_int("priority", body.get("priority"))
-    return await control("prefix_priority", {"priority": priority, "token_ids": _token_ids(body),
-                                             **_namespace(body)})
+    return await call(ops.PrefixPriority(_token_ids(body), priority, **_namespace(body)))
 
 
 @admin_route
 async def delete_prefix(request: Request):
     body = await json_body(request)
-    return await control("prefix_delete", {"token_ids": _token_ids(body), **_namespace(body)})
-
-
-def register_routes(app) -> list[str]:
-    app.add_api_route("/prune", prune, methods=["POST"])
-    app.add_api_route("/prune/{prune_id}", get_prune, methods=["GET"])
-    app.add_api_route("/prefix/inspect", inspect_prefix, methods=["POST"])
-    app.add_api_route("/prefix/priority", prefix_priority, methods=["POST"])
-    app.add_api_route("/prefix/delete", delete_prefix, methods=["POST"])
-    return ["route:/prune", "route:/prune/{id}", "route:/prefix/inspect", "route:/prefix/priority",
-            "route:/prefix/delete"]
+    return await call(ops.PrefixDelete(_token_ids(body), **_namespace(body)))

@@ -9,13 +9,13 @@ which is what SGLang reads it for), and the prefix tree is ``core.logical_tree.L
 - keys are logical tokens (plus SGLang's ``extra_key`` / ``cache_salt`` namespace);
 - values are the KV slots still retained (all of them until ``/prune`` drops some);
 - ``evictable_size`` / ``protected_size`` count retained slots; eviction frees them to SGLang's
-  allocator; ``check_integrity`` (srt/integrity.py) proves every slot has one owner.
+  allocator; ``check_integrity`` (``cache/integrity.py``) proves every slot has one owner.
 
 Rows vs logical positions of a request on a pruned path (P retained slots for N logical tokens):
 ``match_prefix`` reports N (SGLang prefills only ``[N, len)``) and ``cache_protected_len = P``;
-``prefix_device_indices`` pads the P slots to N; after allocation ``chains.after_prepare_for_extend``
+``prefix_device_indices`` pads the P slots to N; after allocation ``engine/rows.py``
 moves the suffix slots from row N to row P and records the gap N - P as the request's RoPE
-offset (``req.sparse_offset``). With nothing pruned P == N and all of this is SGLang's own path.
+offset (``req.sparse``). With nothing pruned P == N and all of this is SGLang's own path.
 
 Chain Cache rides the same class: ``match_prefix`` first lends a resumed chain's rows,
 ``claim_kv_row`` parks a finishing chain's rows, ``session_records`` reports parked rows.
@@ -38,6 +38,8 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from sglang_sparse.core.logical_tree import LogicalRadixTree, Node
+from sglang_sparse.srt.chains import scheduler as chains
+from sglang_sparse.srt.state import STATE, sparse
 
 BACKEND = "sglang_sparse"
 
@@ -56,12 +58,10 @@ class SparseRadixCache(UnifiedRadixCache):
     def reset(self) -> None:
         """SGLang's cache flush (only when idle): it clears the allocator and req_to_token rows
         next, so chains lose their payloads without freeing them."""
-        from sglang_sparse.srt import state
-
         super().reset()
         self.tree = LogicalRadixTree(self.tree.page)
-        if getattr(state, "chains", None) is not None:
-            state.chains.forget_all("the cache was flushed")
+        if STATE.scheduler.chains is not None:
+            STATE.scheduler.chains.forget_all("the cache was flushed")
 
     def supports_prefix_sharing(self) -> bool:
         return self.tree_on
@@ -75,8 +75,6 @@ class SparseRadixCache(UnifiedRadixCache):
         return (key.extra_key, key.cache_salt)
 
     def match_prefix(self, params) -> MatchResult:
-        from sglang_sparse.srt import chains
-
         lent = chains.lend_match(params)
         if lent is not None:
             return lent
@@ -87,13 +85,16 @@ class SparseRadixCache(UnifiedRadixCache):
             return self._match_tree(params)
         key = params.key
         tokens = key.raw_token_ids()
-        cap = getattr(params.req, "sparse_probe_cap", None)
+        cap = sparse(params.req).probe_cap if params.req is not None else None
         if cap is not None:  # a snapkv pruning probe recomputes its observation window
             tokens = tokens[:cap]
         m = self.tree.match(tokens, self._namespace(key))
         retained = int(m.slots.numel())
         if params.req is not None:
-            params.req.sparse_gap = m.length - retained  # logical tokens of the match without KV
+            st = sparse(params.req)
+            st.gap = m.length - retained  # logical tokens of the match without KV
+            if st.offset is None:
+                st.start_offset = st.gap  # the request's rows stand for gap more tokens (engine/rows.py)
         return MatchResult(device_prefix_len=m.length, last_device_node=m.node, last_host_node=m.node,
                            best_match_node=m.node,
                            cache_protected_len=retained if retained < m.length else None)
@@ -123,7 +124,7 @@ class SparseRadixCache(UnifiedRadixCache):
         request's gap N - P on a pruned path."""
         if self.session.try_checkpoint(req, up_to=up_to, **kwargs) or not self.tree_on:
             return
-        gap = getattr(req, "sparse_gap", 0) or 0
+        gap = sparse(req).gap
         logical_end = up_to + gap if req.finished() else up_to
         tokens = list(req.full_untruncated_fill_ids[:logical_end])
         end = len(tokens) - len(tokens) % self.page_size
@@ -167,9 +168,7 @@ class SparseRadixCache(UnifiedRadixCache):
             self.tree.unlock(lock.node)
 
     def on_release(self, req, *, checkpointed: bool) -> None:
-        from sglang_sparse.srt import chains
-
-        req.sparse_gap = 0
+        sparse(req).gap = 0
         if checkpointed:
             chains.pin_path(self, req)
 
@@ -217,13 +216,9 @@ class SparseRadixCache(UnifiedRadixCache):
 
     # -- Chain Cache -----------------------------------------------------------------------------
     def claim_kv_row(self, req) -> bool:
-        from sglang_sparse.srt import chains
-
         return chains.park_row(self, req) or super().claim_kv_row(req)
 
     def session_records(self) -> dict:
-        from sglang_sparse.srt import chains
-
         return {**super().session_records(), **chains.parked_records()}
 
 
@@ -231,13 +226,3 @@ def create(ctx):
     from sglang.srt.mem_cache.registry import create_unified_radix_cache
 
     return create_unified_radix_cache(ctx, cache_class=SparseRadixCache)
-
-
-def register() -> list[str]:
-    from sglang.srt.mem_cache import registry
-
-    try:
-        registry.register_radix_cache_backend(BACKEND, create)
-    except ValueError:  # already registered in this process
-        pass
-    return [f"radix-cache-backend:{BACKEND}"]

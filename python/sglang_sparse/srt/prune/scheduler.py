@@ -1,4 +1,4 @@
-"""Prefix-cache pruning inside the scheduler (``POST /prune``; the HTTP side is ``srt/prune_api.py``).
+"""Prefix-cache pruning inside the scheduler (``POST /prune``; the HTTP side is ``prune/http.py``).
 
 One pruning job, all on the scheduler's thread:
 
@@ -15,54 +15,23 @@ One pruning job, all on the scheduler's thread:
    the nodes carry a pruning record.
 
 Rows vs logical: a later request matching the pruned path holds its P retained slots in rows
-``[0, P)`` for N logical tokens (``srt/radix.py``); nothing here changes running requests.
+``[0, P)`` for N logical tokens (``cache/radix.py``); nothing here changes running requests.
 """
 
 from __future__ import annotations
-
-import itertools
-from dataclasses import dataclass, field
 
 import torch
 
 from sglang_sparse.core import pruning
 from sglang_sparse.core.logical_tree import PruneBlocked
-from sglang_sparse.srt import state
-
-PROBE_KEY = "sglang_sparse_probe"
-_ids = itertools.count(1)
-
+from sglang_sparse.srt.admin.ops import PrefixDelete, PrefixInspect, PrefixPriority, PruneApply, PruneForget, PrunePlan
+from sglang_sparse.srt.prune.job import PROBE_KEY, Job
+from sglang_sparse.srt.state import STATE, sparse
 
 class PruneError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status, self.message = status, message
-
-
-@dataclass
-class Job:
-    prune_id: str
-    tokens: list
-    namespace: tuple
-    ranges: list
-    policy: str
-    keep: int
-    positions: torch.Tensor  # retained logical positions inside the intervals (ascending)
-    slots: torch.Tensor  # their KV slots
-    probe_cap: int | None  # snapkv: the probe's prefix match stops here (the window is recomputed)
-    scores: torch.Tensor = field(init=False)
-    layers_seen: set = field(default_factory=set)
-
-    def __post_init__(self) -> None:
-        self.scores = torch.full((self.slots.numel(),), float("-inf"))
-        self._sorted, self._order = torch.sort(self.slots)
-
-    def index_of(self, slots: torch.Tensor) -> torch.Tensor:
-        """Index into ``self.slots`` of each given slot, -1 where it is not an interval slot."""
-        if self.slots.numel() == 0:
-            return torch.full_like(slots, -1)
-        at = torch.searchsorted(self._sorted, slots).clamp(max=self.slots.numel() - 1)
-        return torch.where(self._sorted[at] == slots, self._order[at], torch.full_like(slots, -1))
 
 
 # -- plan ------------------------------------------------------------------------------------------
@@ -71,7 +40,7 @@ def _cache(scheduler):
     if getattr(cache, "tree", None) is None:
         raise PruneError(409, "pruning needs sglang_sparse's radix cache (--radix-cache-backend sglang_sparse)")
     if not cache.tree_on:
-        method = (state.controller.runtime.name if state.controller is not None else "this method")
+        method = (STATE.scheduler.controller.runtime.name if STATE.scheduler.controller is not None else "this method")
         raise PruneError(409, f"the radix cache is off ({method} evicts KV itself, or --disable-radix-cache "
                               "was given): there is no cached prefix to prune")
     return cache
@@ -101,15 +70,15 @@ def _ranges(raw, n_tokens: int, page: int) -> list[tuple[int, int]]:
     return out
 
 
-def plan(scheduler, body: dict) -> dict:
+def plan(scheduler, op: PrunePlan) -> dict:
     cache = _cache(scheduler)
     tree = cache.tree
-    tokens = [int(t) for t in body.get("token_ids") or []]
-    policy = body.get("policy", "kvzip")
+    tokens = [int(t) for t in op.token_ids]
+    policy = op.policy
     try:
         pruning.check_policy(policy)
-        ranges = _ranges(body.get("ranges"), len(tokens), tree.page)
-        ns = (body.get("extra_key"), body.get("cache_salt"))
+        ranges = _ranges(op.ranges, len(tokens), tree.page)
+        ns = (op.extra_key, op.cache_salt)
         matched = tree.match(tokens, ns).length
         if matched < ranges[-1][1]:
             raise PruneError(404, f"the sequence is not cached that far: {matched} of its first "
@@ -117,8 +86,7 @@ def plan(scheduler, body: dict) -> dict:
         pieces = [tree.retained_in(tree.interval_nodes(tokens, a, b, ns)) for a, b in ranges]
         positions = torch.cat([p for p, _ in pieces])
         slots = torch.cat([s for _, s in pieces])
-        keep = pruning.keep_count(int(positions.numel()), body.get("keep_ratio"), body.get("keep_tokens"),
-                                  tree.page)
+        keep = pruning.keep_count(int(positions.numel()), op.keep_ratio, op.keep_tokens, tree.page)
     except pruning.PruneRequestError as err:
         raise PruneError(400, str(err)) from None
     except PruneBlocked as err:
@@ -130,8 +98,8 @@ def plan(scheduler, body: dict) -> dict:
             raise PruneError(400, "the snapkv policy observes the interval from the tokens after it; "
                                   "the sequence ends where the last interval does (use kvzip)")
         cap = len(tokens) - window
-    prune_id = f"prune-{next(_ids)}"
-    state.prune_jobs[prune_id] = Job(prune_id, tokens, ns, ranges, policy, keep, positions, slots, cap)
+    prune_id = f"prune-{next(STATE.scheduler.prune_ids)}"
+    STATE.scheduler.prune_jobs[prune_id] = Job(prune_id, tokens, ns, ranges, policy, keep, positions, slots, cap)
     return {"status": "queued", "prune_id": prune_id, "original_tokens": sum(b - a for a, b in ranges),
             "retained_tokens": int(positions.numel()), "keep_tokens": keep}
 
@@ -142,27 +110,28 @@ def after_create_req(req, scheduler, recv_req, *args, **kwargs):
     params = getattr(getattr(req, "sampling_params", None), "custom_params", None) if req is not None else None
     if not isinstance(params, dict) or PROBE_KEY not in params:
         return None
-    job = state.prune_jobs.get(str(params[PROBE_KEY]))
+    job = STATE.scheduler.prune_jobs.get(str(params[PROBE_KEY]))
     if job is None:
         req.set_finish_with_abort(f"unknown pruning job {params[PROBE_KEY]!r}", status_code=404)
         return None
-    req.sparse_probe = job
-    req.sparse_probe_cap = job.probe_cap
+    st = sparse(req)
+    st.probe, st.probe_cap = job, job.probe_cap
     req.skip_radix_cache_insert = True
     return None
 
 
-def bind_rows(batch) -> None:
+def after_prepare_for_extend(result, batch, *args, **kwargs):
     """After allocation: which req_to_token rows belong to probes (``capture`` sees rows only)."""
     for req in batch.reqs:
-        job = getattr(req, "sparse_probe", None)
+        job = sparse(req).probe
         if job is not None:
-            state.probe_rows[req.kv.req_pool_idx] = job
+            STATE.scheduler.probe_rows[req.kv.req_pool_idx] = job
+    return None
 
 
 def on_release(req) -> None:
-    if getattr(req, "sparse_probe", None) is not None and req.kv.req_pool_idx is not None:
-        state.probe_rows.pop(req.kv.req_pool_idx, None)
+    if sparse(req).probe is not None and req.kv.req_pool_idx is not None:
+        STATE.scheduler.probe_rows.pop(req.kv.req_pool_idx, None)
 
 
 QUERY_BLOCK = 128
@@ -171,7 +140,7 @@ QUERY_BLOCK = 128
 def capture(backend, q, layer, forward_batch) -> None:
     """Score the interval slots of every probe in this extend batch for this layer."""
     rows = forward_batch.req_pool_indices.tolist()
-    hits = [(i, state.probe_rows[r]) for i, r in enumerate(rows) if r in state.probe_rows]
+    hits = [(i, STATE.scheduler.probe_rows[r]) for i, r in enumerate(rows) if r in STATE.scheduler.probe_rows]
     if not hits:
         return
     ext, prefix = forward_batch.extend_seq_lens_cpu, forward_batch.extend_prefix_lens_cpu
@@ -200,10 +169,10 @@ def capture(backend, q, layer, forward_batch) -> None:
 
 
 # -- apply -----------------------------------------------------------------------------------------
-def apply(scheduler, body: dict) -> dict:
-    job = state.prune_jobs.pop(str(body.get("prune_id")), None)
+def apply(scheduler, op: PruneApply) -> dict:
+    job = STATE.scheduler.prune_jobs.pop(op.prune_id, None)
     if job is None:
-        raise PruneError(404, f"unknown pruning job {body.get('prune_id')!r}")
+        raise PruneError(404, f"unknown pruning job {op.prune_id!r}")
     cache = _cache(scheduler)
     tree = cache.tree
     if not job.layers_seen:
@@ -230,17 +199,17 @@ def apply(scheduler, body: dict) -> dict:
     return {"status": "completed", "retained_tokens": int(mask.sum()), "freed_slots": freed}
 
 
-def forget(body: dict) -> dict:
-    state.prune_jobs.pop(str(body.get("prune_id")), None)
+def forget(op: PruneForget) -> dict:
+    STATE.scheduler.prune_jobs.pop(op.prune_id, None)
     return {"status": "forgotten"}
 
 
 # -- inspection and admin (appendix B.2) -----------------------------------------------------------
-def inspect(scheduler, body: dict) -> dict:
+def inspect(scheduler, op: PrefixInspect) -> dict:
     cache = _cache(scheduler)
     tree = cache.tree
-    tokens = [int(t) for t in body.get("token_ids") or []]
-    ns = (body.get("extra_key"), body.get("cache_salt"))
+    tokens = [int(t) for t in op.token_ids]
+    ns = (op.extra_key, op.cache_salt)
     m = tree.match(tokens, ns)
     blocks, start = [], 0
     for node in tree.path(m.node):
@@ -249,13 +218,13 @@ def inspect(scheduler, body: dict) -> dict:
     return {"status": 200, "cached_tokens": m.length, "retained_tokens": int(m.slots.numel()), "blocks": blocks}
 
 
-def set_priority(scheduler, body: dict) -> dict:
+def set_priority(scheduler, op: PrefixPriority) -> dict:
     cache = _cache(scheduler)
-    tokens = [int(t) for t in body.get("token_ids") or []]
-    priority = body.get("priority")
+    tokens = [int(t) for t in op.token_ids]
+    priority = op.priority
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise PruneError(400, "priority must be an integer (higher is evicted later)")
-    m = cache.tree.match(tokens, (body.get("extra_key"), body.get("cache_salt")))
+    m = cache.tree.match(tokens, (op.extra_key, op.cache_salt))
     if m.length == 0:
         raise PruneError(404, "the sequence is not in the prefix cache")
     for node in cache.tree.path(m.node):
@@ -263,10 +232,10 @@ def set_priority(scheduler, body: dict) -> dict:
     return {"status": 200, "cached_tokens": m.length, "priority": priority}
 
 
-def delete_prefix(scheduler, body: dict) -> dict:
+def delete_prefix(scheduler, op: PrefixDelete) -> dict:
     cache = _cache(scheduler)
-    tokens = [int(t) for t in body.get("token_ids") or []]
-    m = cache.tree.match(tokens, (body.get("extra_key"), body.get("cache_salt")))
+    tokens = [int(t) for t in op.token_ids]
+    m = cache.tree.match(tokens, (op.extra_key, op.cache_salt))
     if m.length < len(tokens) - len(tokens) % cache.tree.page or m.length == 0:
         raise PruneError(404, f"the sequence is not cached (only {m.length} tokens match)")
     try:
@@ -275,25 +244,3 @@ def delete_prefix(scheduler, body: dict) -> dict:
         raise PruneError(409, f"cannot delete: {err}") from None
     cache.free_tree_slots(freed)
     return {"status": 200, "freed_slots": int(freed.numel())}
-
-
-OPS = {"prune_plan": plan, "prune_apply": apply, "prefix_inspect": inspect,
-       "prefix_priority": set_priority, "prefix_delete": delete_prefix}
-
-
-def control(scheduler, op: str, body: dict) -> dict:
-    if op == "prune_forget":
-        return forget(body)
-    return OPS[op](scheduler, body)
-
-
-def register() -> list[str]:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    from sglang_sparse.srt import chains
-
-    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler._create_generation_req",
-                          after_create_req, HookType.AFTER)
-    # admin mutations (chains, pruning, prefixes) ride SGLang's dumper-control round trip
-    HookRegistry.register(chains.CONTROL_TARGET, chains.around_dumper_control, HookType.AROUND)
-    return ["hook:prune-probe", "hook:admin-control"]

@@ -2,11 +2,9 @@
 
 Owners: the allocator's free list; a radix-tree node (its retained slots); a request's own rows
 ``[cache_protected_len, kv_allocated_len)`` (rows before ``cache_protected_len`` are tree
-slots); a chain's parked rows ``[0, rows)`` (idle, or resumed by a request still waiting for
-admission: the rows are lent to the request only when it is admitted). A request counts wherever the scheduler holds
-it, not only in the running batch: SGLang runs a prefill batch, processes its result and merges
-it into the running batch one loop iteration later, and with the overlap scheduler one more
-batch is in flight (``result_queue``). The census runs on the scheduler's thread (between loop
+slots), wherever the scheduler holds it (``engine/held.py``); a chain's parked rows ``[0, rows)``
+(idle, or resumed by a request still waiting for admission: the rows are lent to the request
+only when it is admitted). The census runs on the scheduler's thread (between loop
 steps or right after a batch result is processed), so what it reads does not move under it:
 ``ok: false`` is a real leak or double owner.
 
@@ -17,44 +15,18 @@ logged with the census and counted (``integrity_violations`` in ``/sparse/stats`
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
-from sglang_sparse.srt import state
+from sglang_sparse.srt.chains import scheduler as chains
+from sglang_sparse.srt.engine.held import scheduler_requests
+from sglang_sparse.srt.state import STATE
 
 logger = logging.getLogger("sglang_sparse")
-
-ENV_EVERY_STEP = "SGLANG_SPARSE_CHECK_INTEGRITY"
-PROCESS_RESULT_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
-
-
-def scheduler_requests(scheduler) -> list:
-    """Every request the scheduler holds, once: running, the last and in-flight batches, the
-    chunked request, and the waiting queue (a request may hold rows there, e.g. a chain's lent
-    rows when admission did not go through)."""
-    seen, out = set(), []
-    groups = [scheduler.running_batch.reqs, getattr(scheduler, "waiting_queue", [])]
-    for batch in (getattr(scheduler, "last_batch", None), getattr(scheduler, "cur_batch_for_debug", None)):
-        if batch is not None:
-            groups.append(batch.reqs)
-    for batch, _ in getattr(scheduler, "result_queue", None) or ():
-        groups.append(batch.reqs)
-    chunked = getattr(scheduler, "chunked_req", None)
-    if chunked is not None:
-        groups.append([chunked])
-    for group in groups:
-        for req in group:
-            if id(req) not in seen:
-                seen.add(id(req))
-                out.append(req)
-    return out
 
 
 def parked_spans() -> list:
     """(kv record, first row) of the rows chains hold (``chains.parked``)."""
-    from sglang_sparse.srt import chains
-
     return [(rec.payload.kv, 0) for rec in chains.parked()]
 
 
@@ -95,19 +67,6 @@ def after_process_batch_result(result, scheduler, *args, **kwargs):
     """Debug mode: the census after every processed batch result."""
     report = check_integrity(scheduler)
     if not report["ok"]:
-        state.integrity_violations += 1
+        STATE.scheduler.integrity_violations += 1
         logger.error("sglang_sparse: slot census failed after a step: %s", report)
     return None
-
-
-def every_step() -> bool:
-    return os.environ.get(ENV_EVERY_STEP, "") not in ("", "0")
-
-
-def register() -> list[str]:
-    if not every_step():
-        return []
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(PROCESS_RESULT_TARGET, after_process_batch_result, HookType.AFTER)
-    return ["hook:integrity-every-step"]

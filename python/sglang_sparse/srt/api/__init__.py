@@ -1,0 +1,1 @@
+"""The HTTP process's side of SGLang's own generation routes (``/generate``, OpenAI)."""

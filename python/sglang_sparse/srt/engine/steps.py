@@ -1,0 +1,119 @@
+"""Scheduler-side hooks that drive the SparseController once per forward step.
+
+- AROUND ``TpModelWorker.forward_batch_generation`` (``around_forward``): translate the
+  ScheduleBatch into a ``StepInfo`` (logical ranges per request), ``begin_step`` before the
+  model runs, ``end_step`` after it.
+- BEFORE ``ScheduleBatch.prepare_for_decode`` and ``Scheduler.get_new_batch_prefill``: the safe
+  point (``apply_safe_point``). The previous step's results are processed (finished requests
+  released), nothing reads the KV, and the next slots are not allocated yet: planned compactions
+  run here, and the batch's lengths follow the resident rows (``rows.follow_compaction``).
+- BEFORE ``mem_cache.common.release_kv_cache`` (``before_release``): the request leaves
+  (finished, aborted, retracted); its method state is dropped before SGLang frees its rows.
+
+Physical eviction needs the overlap scheduler, mixed chunks and the radix cache off (the
+launcher sees to it): compaction between an in-flight forward and its result, or a compacted row
+inserted into the radix tree, would be wrong.
+"""
+
+from __future__ import annotations
+
+from sglang_sparse.core.events import RequestSlice, StepInfo, StepMode
+from sglang_sparse.srt.chains import scheduler as chains
+from sglang_sparse.srt.engine import rows
+from sglang_sparse.srt.prune import scheduler as prune
+from sglang_sparse.srt.state import STATE
+
+
+def step_from_batch(batch, ctl) -> StepInfo | None:
+    mode = batch.forward_mode
+    if mode.is_idle() or not batch.reqs:
+        return None
+    slices = []
+    if mode.is_decode():
+        # seq_lens counts resident rows incl. the token being decoded, which is written to row
+        # seq_len-1; its logical position adds the request's evicted-token offset.
+        for req, seq_len in zip(batch.reqs, batch.seq_lens_cpu.tolist()):
+            known = ctl.cache.requests.get(req.rid)
+            offset = known.retained.offset if known is not None else 0
+            slices.append(RequestSlice(req.rid, req.kv.req_pool_idx, seq_len - 1 + offset,
+                                       seq_len + offset, seq_len - 1, len(req.origin_input_ids)))
+        kind = StepMode.DECODE
+    elif mode.name in ("EXTEND", "MIXED"):  # speculative verify modes are not supported
+        for req, prefix, extend in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            # prefix counts resident rows; the request may have logical tokens without KV before
+            # them (a resumed chain, a pruned radix path: engine/rows.py)
+            off = rows.request_offset(req)
+            slices.append(RequestSlice(req.rid, req.kv.req_pool_idx, prefix + off, prefix + off + extend,
+                                       prefix, len(req.origin_input_ids)))
+        kind = StepMode.MIXED if mode.is_mixed() else StepMode.PREFILL
+    else:
+        return None
+    return StepInfo(ctl.steps, kind, tuple(slices))
+
+
+def around_forward(original, worker, batch=None, *args, **kwargs):
+    st = STATE.scheduler
+    ctl = st.controller
+    step = step_from_batch(batch, ctl) if (ctl is not None and batch is not None) else None
+    if step is None:
+        return original(worker, batch, *args, **kwargs)
+    for r, req in zip(step.requests, batch.reqs):
+        known = ctl.cache.requests.get(r.rid)
+        if known is not None and (known.req_row != r.req_row or r.logical_start == 0):
+            ctl.request_finished(r.rid)  # retracted and re-admitted: start over
+            known = None
+        if known is None:
+            resumed = chains.resumed_state(req) if r.logical_start else None
+            if resumed is not None:
+                ctl.request_resumed(r.rid, r.req_row, r.prompt_len, *resumed)
+            else:
+                # rows [0, row_start) are resident; on a pruned radix path they stand for
+                # logical_start > row_start tokens (engine/rows.py)
+                ctl.request_started(r.rid, r.req_row, r.prompt_len, cached_len=r.row_start,
+                                    cached_logical=r.logical_start)
+    ctl.begin_step(step)
+    st.current_step = step
+    try:
+        result = original(worker, batch, *args, **kwargs)
+    finally:
+        st.current_step = None
+    ctl.end_step(step)
+    return result
+
+
+def apply_safe_point(batch) -> None:
+    """Run planned compactions, then make ``batch``'s per-request lengths follow resident rows."""
+    ctl = STATE.scheduler.controller
+    if ctl is None or batch is None or not batch.reqs:
+        return
+    if ctl.safe_point({req.rid for req in batch.reqs}) == 0:
+        return
+    # Compaction just gave rows back. SGLang stops trying to admit once an admission failed for
+    # memory ("batch is full") and reopens only when a request leaves; rows freed by eviction
+    # must reopen it too, or waiting requests sit idle beside free KV.
+    batch.batch_is_full = False
+    rows.follow_compaction(batch)
+
+
+def before_prepare_for_decode(batch, *args, **kwargs):
+    apply_safe_point(batch)
+    return None
+
+
+def before_new_prefill(scheduler, running_batch=None, *args, **kwargs):
+    """Prefill has priority over decode: without this, a burst of long prompts would hold their
+    full KV until the next decode step. Here the last prefill batch is already merged into the
+    running batch and its results are processed."""
+    apply_safe_point(running_batch)
+    chains.reclaim_for(scheduler, running_batch)
+    return None
+
+
+def before_release(req, *args, **kwargs):
+    chains.before_release(req)  # park the chain's state while the controller still has it
+    prune.on_release(req)
+    ctl = STATE.scheduler.controller
+    if ctl is not None:
+        ctl.request_finished(req.rid)
+    rows.on_release(req)
+    return None
