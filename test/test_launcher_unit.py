@@ -127,3 +127,16 @@ def test_sparse_config_keeps_cuda_graphs_for_dense_and_refuses_other_backends():
     with pytest.raises(ConfigError, match="needs --attention-backend torch_native or triton \\(got fa3\\)"):
         sparse_config(["--device", "cuda", "--sparse-method", "snapkv", "--attention-backend", "fa3"],
                       log=lambda m: None)
+
+
+def test_radix_eviction_policy_is_sglangs_or_refused():
+    from sglang_sparse.registry import ConfigError
+    from sglang_sparse.srt.launcher import sparse_config
+
+    _, argv = sparse_config(["--device", "cpu", "--radix-eviction-policy", "lfu"], log=lambda m: None)
+    assert argv[argv.index("--radix-eviction-policy") + 1] == "lfu"  # passed on to SGLang, honoured by the tree
+    with pytest.raises(ConfigError, match="--radix-eviction-policy tlru is not supported by sglang_sparse's radix"):
+        sparse_config(["--device", "cpu", "--radix-eviction-policy", "tlru"], log=lambda m: None)
+    # another prefix cache: SGLang's own tree serves the policy
+    sparse_config(["--device", "cpu", "--radix-eviction-policy", "tlru", "--radix-cache-backend", "default"],
+                  log=lambda m: None)

@@ -126,3 +126,16 @@ def test_cancelled_queued_continuation_does_not_leave_its_chain_active(server):
     for c in requests.get(url + "/chain", timeout=60).json()["chains"]:
         if c["status"] == "idle":
             requests.delete(f"{url}/chain/{c['chain_id']}", timeout=60)
+
+
+def test_a_finished_request_is_split_at_its_prompt_as_sglang_does(server):
+    """SGLang caches a finished request's path in two parts: the prompt (priority + 1) and the
+    output after it, so eviction drops the output first. The tree does the same."""
+    prompt = ids(60, 40)
+    code, out = gen(server, prompt, 8, salt="split")
+    assert code == 200, out
+    seq = prompt + out["output_ids"][:-1]  # the last output token has no KV
+    blocks = requests.post(server.base_url + "/prefix/inspect", timeout=60,
+                           json={"token_ids": seq, "cache_salt": "split"}).json()["blocks"]
+    assert [(b["start"], b["end"]) for b in blocks] == [(0, 60), (60, 67)]
+    assert [b["priority"] for b in blocks] == [1, 0]

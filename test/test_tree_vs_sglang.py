@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from sglang_sparse.core.logical_tree import LogicalRadixTree
@@ -112,6 +112,10 @@ op = st.one_of(
 def test_the_tree_evicts_like_sglangs_radix_cache(policy, monkeypatch):
     @settings(max_examples=120, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(st.lists(op, max_size=40))
+    # a re-inserted leaf counts one more hit (LFU keeps it over a newer leaf hit once)
+    @example([("insert", [1, 2], 0, 0), ("insert", [1, 2], 0, 0), ("insert", [3], 0, 0), ("evict", 1)])
+    # a lookup that splits a node refreshes both halves
+    @example([("insert", [1, 2, 3], 0, 0), ("insert", [2], 0, 0), ("match", [1, 2]), ("evict", 1)])
     def run(ops):
         pair = Pair(policy, monkeypatch)
         for o in ops:

@@ -25,12 +25,17 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import types
 from dataclasses import dataclass, field
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+
+# SGLang eviction policies whose strategy reads node fields this tree does not keep.
+UNSUPPORTED_EVICTION_POLICIES = types.MappingProxyType(
+    {"tlru": "it needs per-branch history lengths (T-LRU) that the logical tree does not keep"})
 
 
 class PruneBlocked(Exception):
@@ -45,14 +50,20 @@ class Node:
     parent: "Node | None" = None
     children: dict = field(default_factory=dict)  # first page of child key -> child
     lock_ref: int = 0
-    last_use: int = 0
-    priority: int = 0
+    last_use: float = 0  # the tree's clock at the last lookup or insert through this node
+    priority: int = 0  # max over the requests that inserted through it (and /prefix/priority)
+    hit_count: int = 0  # inserts that added to it or through it (SGLang's rule, for LFU/SLRU)
     records: list = field(default_factory=list)  # pruning records covering this node
     namespace: Any = None  # roots only: the extra_key they are stored under
 
     @property
     def retained(self) -> int:
         return int(self.slots.numel())
+
+    @property
+    def last_access_time(self) -> float:
+        """``last_use`` under SGLang's name (its eviction strategies read it)."""
+        return self.last_use
 
     @property
     def pruned(self) -> bool:
@@ -76,13 +87,23 @@ class Inserted(NamedTuple):
     duplicates: torch.Tensor  # caller's slots in [start, end) the tree already had: free them
 
 
+def _priority_then_lru(node: Node):
+    return (node.priority, node.last_use)
+
+
 class LogicalRadixTree:
-    def __init__(self, page_size: int = 1) -> None:
+    """``evict_key(node)``: eviction order of unlocked leaves, smallest first (default: priority,
+    then least recently used; the SGLang adapter passes the strategy of SGLang's
+    ``--radix-eviction-policy``). ``clock()``: increasing timestamps for recency."""
+
+    def __init__(self, page_size: int = 1, evict_key: Callable[[Node], Any] | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self.page = page_size
         self.roots: dict[Any, Node] = {}
         self.evictable = 0  # retained slots in unlocked nodes
         self.protected = 0  # retained slots in locked nodes
-        self._clock = itertools.count(1)
+        self.evict_key = evict_key or _priority_then_lru
+        self._clock = clock or itertools.count(1).__next__
 
     # ---- structure -------------------------------------------------------------------------
     def root(self, extra_key: Any = None, create: bool = True) -> Node:
@@ -132,10 +153,14 @@ class LogicalRadixTree:
             return _EMPTY, _EMPTY
         return torch.cat(slots), torch.cat(positions)
 
-    def _split(self, child: Node, at: int) -> Node:
-        """Cut ``child`` at key offset ``at`` (page aligned); return the new upper half."""
+    def _split(self, child: Node, at: int, now: float | None = None) -> Node:
+        """Cut ``child`` at key offset ``at`` (page aligned); return the new upper half. A lookup
+        or insert that splits (``now``) refreshes both halves, as SGLang's tree does."""
+        if now is not None:
+            child.last_use = now
         upper = Node(key=child.key[:at], parent=child.parent, lock_ref=child.lock_ref,
-                     last_use=child.last_use, priority=child.priority, records=list(child.records))
+                     last_use=child.last_use, priority=child.priority, hit_count=child.hit_count,
+                     records=list(child.records))
         if child.kept is None:
             upper.slots, child.slots = child.slots[:at], child.slots[at:]
         else:
@@ -152,7 +177,7 @@ class LogicalRadixTree:
     def match(self, tokens: Sequence[int], extra_key: Any = None) -> Match:
         """Longest page-aligned logical prefix of ``tokens`` in the tree (splits the last node
         when the match ends inside it, so the returned node ends exactly at N)."""
-        node, pos, now = self.root(extra_key, create=False), 0, next(self._clock)
+        node, pos, now = self.root(extra_key, create=False), 0, self._clock()
         tokens = tokens[: self._aligned(len(tokens))]
         node.last_use = now
         while pos < len(tokens):
@@ -163,22 +188,26 @@ class LogicalRadixTree:
             if n == 0:
                 break
             if n < len(child.key):
-                child = self._split(child, n)
+                child = self._split(child, n, now)
             child.last_use = now
             node, pos = child, pos + n
         slots, positions = self.path_slots(node)
         return Match(pos, node, slots, positions)
 
     def insert(self, tokens: Sequence[int], start: int, slots: torch.Tensor,
-               extra_key: Any = None) -> Inserted:
+               extra_key: Any = None, priority: int = 0, inserted_len: int = 0) -> Inserted:
         """Add logical ``tokens[start:]`` (slots given for exactly those positions) below the
         path of ``tokens[:start]``, which must already be in the tree (the caller matched and
         locked it). Positions the tree already has are returned as duplicates. Insertion stops
         at a pruned node past ``start``: its KV differs from the caller's, so the caller keeps
-        its own slots from there (``end`` says where)."""
+        its own slots from there (``end`` says where).
+
+        As in SGLang's tree: the path's priority becomes at least ``priority``, and a node's
+        ``hit_count`` grows when this insert reaches past ``inserted_len`` (what the caller
+        inserted before) through it."""
         L = self._aligned(len(tokens))
         assert 0 <= start <= L and slots.numel() >= L - start, (start, L, slots.numel())
-        node, pos, now = self.root(extra_key, create=False), 0, next(self._clock)
+        node, pos, now = self.root(extra_key, create=False), 0, self._clock()
         row, dups = [], []
         while pos < L:
             child = node.children.get(self._first(tokens[pos:L]))
@@ -188,22 +217,25 @@ class LogicalRadixTree:
             if n == 0:
                 break
             if n < len(child.key):
-                child = self._split(child, n)
+                child = self._split(child, n, now)
             if pos + n > start:
                 if child.pruned:
                     if pos < start:  # the caller's own part begins inside this node
-                        child = self._split(child, start - pos)
+                        child = self._split(child, start - pos, now)
                         child.last_use, node, pos = now, child, start
                     break
                 lo = max(pos, start)
                 row.append(child.slots[lo - pos:])
                 dups.append(slots[lo - start: pos + n - start])
             child.last_use = now
+            child.priority = max(child.priority, priority)
+            if pos + n > inserted_len:
+                child.hit_count += 1
             node, pos = child, pos + n
         assert pos >= start, f"prefix [0, {start}) is not in the tree (reached {pos})"
         if pos < L and not (node.children.get(self._first(tokens[pos:L])) is not None):
             new = Node(key=tuple(tokens[pos:L]), slots=slots[pos - start: L - start].clone(),
-                       parent=node, last_use=now)
+                       parent=node, last_use=now, priority=priority, hit_count=int(L > inserted_len))
             node.children[self._first(new.key)] = new
             if node.parent is None:  # the namespace's first entry: its root is stored from now on
                 self.roots.setdefault(extra_key, node)
@@ -212,6 +244,14 @@ class LogicalRadixTree:
             node, pos = new, L
         cat = lambda xs: torch.cat(xs) if xs else _EMPTY  # noqa: E731
         return Inserted(pos, node, cat(row), cat(dups))
+
+    def raise_priority(self, tokens: Sequence[int], priority: int, extra_key: Any = None) -> None:
+        """The cached path of ``tokens`` (split where it ends) gets at least ``priority``: how
+        SGLang caches a finished request, its prompt one above its output, so that eviction drops
+        the output before the prompt."""
+        m = self.match(tokens, extra_key)
+        for n in self.path(m.node):
+            n.priority = max(n.priority, priority)
 
     # ---- locks, eviction ---------------------------------------------------------------------
     def lock(self, node: Node) -> None:
@@ -241,19 +281,18 @@ class LogicalRadixTree:
         return freed
 
     def evict(self, num_slots: int) -> torch.Tensor:
-        """Free at least ``num_slots`` retained slots from unlocked leaves, lowest priority and
-        least recently used first (or everything evictable); returns the freed slots."""
-        heap = [(n.priority, n.last_use, id(n), n) for n in self.nodes()
-                if not n.children and n.lock_ref == 0]
+        """Free at least ``num_slots`` retained slots from unlocked leaves in ``evict_key`` order
+        (or everything evictable); returns the freed slots in the order they were freed."""
+        heap = [(self.evict_key(n), id(n), n) for n in self.nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(heap)
         freed, count = [], 0
         while heap and count < num_slots:
-            _, _, _, n = heapq.heappop(heap)
+            _, _, n = heapq.heappop(heap)
             parent = n.parent
             freed.append(self._remove_leaf(n))
             count += freed[-1].numel()
             if parent.parent is not None and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.priority, parent.last_use, id(parent), parent))
+                heapq.heappush(heap, (self.evict_key(parent), id(parent), parent))
         return torch.cat(freed) if freed else _EMPTY
 
     def delete_subtree(self, node: Node) -> torch.Tensor:

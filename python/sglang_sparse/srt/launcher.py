@@ -20,6 +20,7 @@ from pathlib import Path
 
 from sglang_sparse.config import parse_sparse_args
 from sglang_sparse.core import kv_budget
+from sglang_sparse.core.logical_tree import UNSUPPORTED_EVICTION_POLICIES
 from sglang_sparse.default_model import DefaultModelError, ensure_default_model
 from sglang_sparse.registry import ConfigError, build_config, get_method
 from sglang_sparse.srt import activation
@@ -194,11 +195,14 @@ _OWN_TREE_FLAGS = ("--enable-hierarchical-cache", "--enable-streaming-session", 
 
 
 def _radix_backend(config: dict, argv: list[str], log) -> list[str]:
-    """Select the logical-prefix radix cache (``srt/radix.py``) unless the user chose another
-    prefix cache; Chain Cache and /prune need it."""
+    """Select the logical-prefix radix cache (``cache/radix.py``) unless the user chose another
+    prefix cache; Chain Cache and /prune need it. It evicts by SGLang's
+    ``--radix-eviction-policy`` (its own strategies), except the ones it cannot serve."""
     given = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     given.add_argument("--radix-cache-backend")
-    backend = given.parse_known_args(argv)[0].radix_cache_backend
+    given.add_argument("--radix-eviction-policy")
+    known = given.parse_known_args(argv)[0]
+    backend, policy = known.radix_cache_backend, (known.radix_eviction_policy or "lru").lower()
     own = [f for f in _OWN_TREE_FLAGS if f in argv]
     if backend not in (None, RADIX_BACKEND) or own:
         if config["chain_cache"]:
@@ -208,6 +212,9 @@ def _radix_backend(config: dict, argv: list[str], log) -> list[str]:
         config["radix_tree"] = False
         return argv
     config["radix_tree"] = "--disable-radix-cache" not in argv
+    if policy in UNSUPPORTED_EVICTION_POLICIES:
+        raise ConfigError(f"--radix-eviction-policy {policy} is not supported by sglang_sparse's radix cache: "
+                          f"{UNSUPPORTED_EVICTION_POLICIES[policy]}; use lru, lfu, slru or priority")
     if backend is None:
         argv = argv + ["--radix-cache-backend", RADIX_BACKEND]
         log(f"sglang_sparse: prefix cache keyed by logical tokens over retained KV; added "

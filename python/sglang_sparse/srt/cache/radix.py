@@ -37,17 +37,30 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-from sglang_sparse.core.logical_tree import LogicalRadixTree, Node
+from sglang_sparse.core.logical_tree import UNSUPPORTED_EVICTION_POLICIES, LogicalRadixTree, Node
 from sglang_sparse.srt.chains import scheduler as chains
 from sglang_sparse.srt.state import STATE, sparse
 
 BACKEND = "sglang_sparse"
 
 
+def eviction_key(policy: str | None, config: dict | None):
+    """SGLang's own eviction strategy for ``--radix-eviction-policy`` (its ``get_priority`` reads
+    the fields the logical tree's nodes have: priority, last_access_time, hit_count)."""
+    from sglang.srt.mem_cache.utils import get_eviction_strategy
+
+    policy = (policy or "lru").lower()
+    if policy in UNSUPPORTED_EVICTION_POLICIES:
+        raise ValueError(f"sglang_sparse's radix cache does not support --radix-eviction-policy {policy}: "
+                         f"{UNSUPPORTED_EVICTION_POLICIES[policy]}")
+    return get_eviction_strategy(policy, config).get_priority
+
+
 class SparseRadixCache(UnifiedRadixCache):
     def __init__(self, params) -> None:
         self.tree_on = not params.disable
-        self.tree = LogicalRadixTree(params.page_size)
+        self._evict_key = eviction_key(params.eviction_policy, params.eviction_policy_config)
+        self.tree = LogicalRadixTree(params.page_size, evict_key=self._evict_key)
         super().__init__(dataclasses.replace(params, disable=True))
         # SGLang reads ``disable`` to tell whether a prefix tree exists (admission of ignore_eos
         # requests, cache-aware policies); the shell's own tree paths it guards are overridden.
@@ -59,7 +72,7 @@ class SparseRadixCache(UnifiedRadixCache):
         """SGLang's cache flush (only when idle): it clears the allocator and req_to_token rows
         next, so chains lose their payloads without freeing them."""
         super().reset()
-        self.tree = LogicalRadixTree(self.tree.page)
+        self.tree = LogicalRadixTree(self.tree.page, evict_key=self._evict_key)
         if STATE.scheduler.chains is not None:
             STATE.scheduler.chains.forget_all("the cache was flushed")
 
@@ -121,7 +134,12 @@ class SparseRadixCache(UnifiedRadixCache):
 
         SGLang passes ``up_to`` in rows at release (``owned_kv_len``, the request is finished)
         and in logical tokens between prefill chunks (``extend_end``); the two differ by the
-        request's gap N - P on a pruned path."""
+        request's gap N - P on a pruned path.
+
+        As SGLang's tree does: the inserted path takes the request's priority; once the key
+        reaches past the prompt (a finished request), the path is split at the prompt boundary
+        and the prompt part gets priority + 1, so eviction drops the output before the prompt;
+        a checkpoint with nothing new still refreshes the path's recency."""
         if self.session.try_checkpoint(req, up_to=up_to, **kwargs) or not self.tree_on:
             return
         gap = sparse(req).gap
@@ -129,14 +147,19 @@ class SparseRadixCache(UnifiedRadixCache):
         tokens = list(req.full_untruncated_fill_ids[:logical_end])
         end = len(tokens) - len(tokens) % self.page_size
         kv = req.kv
+        ns, priority = (req.extra_key, req.cache_salt), req.priority or 0
         protected = kv.cache_protected_len  # rows [0, protected) are tree slots already
         start = protected + gap  # logical start of what the request computed itself
         if end <= start:
+            self.tree.match(tokens[:end], ns)  # nothing new: a lookup refreshes the path
             return
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
         own = row[protected: end - gap].to(torch.int64).cpu()
-        ins = self.tree.insert(tokens[:end], start, own, (req.extra_key, req.cache_salt))
+        ins = self.tree.insert(tokens[:end], start, own, ns, priority=priority, inserted_len=kv.cache_inserted_len)
         self.free_tree_slots(ins.duplicates)
+        prompt = len(req.origin_input_ids) - len(req.origin_input_ids) % self.page_size
+        if 0 < prompt < ins.end:
+            self.tree.raise_priority(tokens[:prompt], priority + 1, ns)
         done = ins.end - start
         row[protected: protected + done] = ins.row_slots.to(row.device, row.dtype)
         kv.cache_protected_len = protected + done
