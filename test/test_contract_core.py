@@ -12,8 +12,10 @@ from sglang_sparse.core.cache_manager import CacheManager
 from sglang_sparse.core.controller import SparseController
 from sglang_sparse.core.events import DecodeBatch, LayerInput, RequestSlice, StepInfo, StepMode
 from sglang_sparse.core.kv_store import TensorKVStore
-from sglang_sparse.kernels import reference
-from sglang_sparse.kernels.decode import decode_over_pages
+from sgl_kernel_sparse import reference
+
+import single_request as one
+from sglang_sparse.kernels.decode import decode_over_pages, decode_over_views
 from sglang_sparse.registry import ConfigError, build_config, get_method, method_names
 
 LAYERS, HQ, HKV, D = 3, 4, 2, 8
@@ -123,15 +125,14 @@ def test_snapkv_decode_appends_after_compaction_and_nothing_leaks():
     # Decode attention over the 21 resident rows == attention over the same logical positions of
     # the uncompressed sequence (per KV head: its own kept positions).
     full_k, full_v = torch.cat([k[1], dk[1]]), torch.cat([v[1], dv[1]])
-    kv_head = torch.arange(HQ).view(-1, 1) // (HQ // HKV)
     mask = torch.zeros(HQ, 61, dtype=torch.bool)
     for h in range(HQ):
         mask[h, ret.positions[1][h // (HQ // HKV)]] = True
-    expected = reference.sparse_decode_attention(dq[1][0], full_k, full_v, mask)
-    rows_k = eng.ctl.cache.keys("a", 1).transpose(0, 1)[kv_head.squeeze(1)]  # [HQ, rows, d]
-    rows_v = eng.ctl.cache.values("a", 1).transpose(0, 1)[kv_head.squeeze(1)]
-    got = reference.gathered_decode_attention(dq[1][0], rows_k, rows_v, torch.ones(HQ, 21, dtype=torch.bool),
-                                              1 / D ** 0.5)
+    expected = one.masked_decode_attention(dq[1][0], full_k, full_v, mask)
+    row = eng.ctl.cache.requests["a"].req_row  # the CPU decode path over the 21 resident rows
+    got = decode_over_views(dq[1][0][None], eng.store.k[1], eng.store.v[1], eng.store.table, [row],
+                            [torch.arange(21).expand(HQ, 21)], [torch.ones(HQ, 21, dtype=torch.bool)], [21],
+                            1 / D ** 0.5)[0]
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     eng.finish("a", 0)
     assert eng.store.free_count() == free0
@@ -164,7 +165,7 @@ def test_quest_view_matches_reference_pages_and_keeps_dense_layers():
         full_k = torch.cat([k[layer], dk[layer]])
         full_v = torch.cat([v[layer], dv[layer]])
         kmin, kmax = reference.quest_page_summaries(full_k, page)
-        want = reference.quest_select_pages(dq[layer][0], kmin, kmax, budget, page)  # [HQ, 3]
+        want = one.quest_select_pages(dq[layer][0], kmin, kmax, budget, page)  # [HQ, 3]
         view = views[layer]
         got = view.page_ids[0]
         assert (got >= 0).all() and torch.equal(got.sort(dim=-1).values, want.long())
@@ -173,8 +174,8 @@ def test_quest_view_matches_reference_pages_and_keeps_dense_layers():
         for h in range(HQ):
             rows = (want[h].view(-1, 1) * page + torch.arange(page)).flatten()
             mask[h, rows[rows < length + 1]] = True
-        expected = reference.sparse_decode_attention(dq[layer][0], full_k, full_v, mask)
-        dense = reference.sparse_decode_attention(dq[layer][0], full_k, full_v, torch.ones_like(mask))
+        expected = one.masked_decode_attention(dq[layer][0], full_k, full_v, mask)
+        dense = one.masked_decode_attention(dq[layer][0], full_k, full_v, torch.ones_like(mask))
         assert not torch.allclose(expected, dense)  # the selection really changes what is read
         out = decode_over_pages(dq[layer], eng.store.k[layer], eng.store.v[layer], eng.store.table,
                                 torch.tensor([0]), view.page_ids, view.n_rows, page, 1 / D ** 0.5)

@@ -7,7 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_sparse.kernels import quest_pages, reference
+from sgl_kernel_sparse import reference
+
+import single_request as one
+from sglang_sparse.kernels import quest_pages
 from sglang_sparse.kernels.decode import decode_over_pages
 
 PAGE, HQ, HKV, D = 4, 6, 2, 8
@@ -46,9 +49,9 @@ def test_summaries_scores_and_selection_match_the_reference_after_page_reuse():
         keys = k_cache[table[i, :n].long()]
         ref_min, ref_max = reference.quest_page_summaries(keys, PAGE)
         n_pages = -(-n // PAGE)
-        torch.testing.assert_close(scores[i, :, :n_pages], reference.quest_page_scores(q[i], ref_min, ref_max))
+        torch.testing.assert_close(scores[i, :, :n_pages], one.quest_page_scores(q[i], ref_min, ref_max))
         assert torch.isinf(scores[i, :, n_pages:]).all()
-        want = reference.quest_select_pages(q[i], ref_min, ref_max, 3 * PAGE, PAGE)
+        want = one.quest_select_pages(q[i], ref_min, ref_max, 3 * PAGE, PAGE)
         got = picked[i].sort(dim=-1).values
         assert torch.equal(got[:, -want.shape[1]:], want.long()) and (got[:, : 3 - want.shape[1]] == -1).all()
         # attention over the picked pages == reference attention over exactly those tokens
@@ -56,7 +59,7 @@ def test_summaries_scores_and_selection_match_the_reference_after_page_reuse():
         for h in range(HQ):
             pos = (want[h].view(-1, 1) * PAGE + torch.arange(PAGE)).flatten()
             mask[h, pos[pos < n]] = True
-        expected = reference.sparse_decode_attention(q[i], keys, v_cache[table[i, :n].long()], mask)
+        expected = one.masked_decode_attention(q[i], keys, v_cache[table[i, :n].long()], mask)
         out = decode_over_pages(q[i : i + 1], k_cache, v_cache, table, rows[i : i + 1], picked[i : i + 1],
                                 n_rows[i : i + 1], PAGE, 1 / D ** 0.5)
         torch.testing.assert_close(out[0], expected, rtol=1e-5, atol=1e-5)

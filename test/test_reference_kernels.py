@@ -1,5 +1,6 @@
-"""The plain-torch reference kernels against independent, loop-based readings of the formulas in
-shared/notes/methods.md (SnapKV, Quest). Small random tensors, CPU, milliseconds."""
+"""The plain-torch references (``sgl_kernel_sparse.reference``, the one definition of each formula)
+against independent, loop-based readings of the formulas in shared/notes/methods.md (SnapKV,
+Quest). Small random tensors, CPU, milliseconds."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import math
 import pytest
 import torch
 
-from sglang_sparse.kernels import reference as ref
+from sgl_kernel_sparse import reference as ref
+
+import single_request as one
 
 
 def loop_snapkv(q_win, k, budget, window, kernel):
@@ -92,7 +95,7 @@ def test_quest_selection_matches_definition(length, page, budget):
     k = torch.randn(length, 2, 8, generator=g)
     q = torch.randn(6, 8, generator=g)
     kmin, kmax = ref.quest_page_summaries(k, page)
-    got = ref.quest_select_pages(q, kmin, kmax, budget, page)
+    got = one.quest_select_pages(q, kmin, kmax, budget, page)
     assert got.tolist() == loop_quest(q, k, page, budget)
 
 
@@ -111,7 +114,7 @@ def test_sparse_decode_attention_equals_dense_attention_on_the_subset():
     keep = [0, 3, 4, 11]
     mask = torch.zeros(4, 12, dtype=torch.bool)
     mask[:, keep] = True
-    got = ref.sparse_decode_attention(q, k, v, mask)
+    got = one.masked_decode_attention(q, k, v, mask)
     for h in range(4):
         kv = h // 2
         w = torch.softmax(k[keep, kv] @ q[h] / math.sqrt(8), dim=0)

@@ -1,8 +1,9 @@
 """sgl_kernel_sparse (sgl-kernel-sparse/): Triton kernels against the plain-torch references.
 
 CPU, default suite:
-- the package's references against the project's reference (``sglang_sparse.kernels.reference``)
-  and loop-based readings of the formulas (in process, milliseconds);
+- the package's references (the one definition of each formula) against loop-based readings of
+  the formulas (in process, milliseconds; SnapKV and Quest selection also in
+  test_reference_kernels.py);
 - every Triton kernel under the Triton interpreter on small shapes. ``triton.jit`` reads
   ``TRITON_INTERPRET`` when a kernel module is imported, so the interpreter cases run in *one*
   subprocess (``python test_sparse_kernels.py --interp``) with the variable set; each case is
@@ -31,12 +32,6 @@ if str(PKG_ROOT / "python") not in sys.path:  # the package is used from the che
     sys.path.insert(0, str(PKG_ROOT / "python"))
 
 from sgl_kernel_sparse import reference as R  # noqa: E402
-
-
-def _proj_ref():
-    from sglang_sparse.kernels import reference as proj
-
-    return proj
 
 
 # ============================================================ shared input builders
@@ -104,17 +99,16 @@ def close(got, want, dtype, what):
     assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} off, max err {err.max():.3g}"
 
 
-def quest_chunks(page):
-    """Update ranges: prefill chunks ending mid-page (merges), then one-token decode steps."""
-    end = 5 * page + 1
-    return [(0, 7), (7, 13), (13, 14), (14, end)] + [(t, t + 1) for t in range(end, end + 3)]
+# ============================================================ references by definition
 
 
-# ============================================================ references vs the project's
+def _softmax_attention(q, k, v, scale):
+    """One query ``[D]`` over keys / values ``[N, D]``, by the definition."""
+    w = torch.softmax((k.float() @ q.float()) * scale, dim=0)
+    return w @ v.float()
 
 
-def test_decode_reference_matches_project_formulas():
-    proj = _proj_ref()
+def test_decode_reference_by_definition():
     q, k, v, r2t, req_rows, rows, valid = decode_inputs(3, 4, 2, 16, 23, 40, torch.float32, 1)
     out = R.sparse_decode_attention(q, k, v, r2t, req_rows, rows, valid, scale=0.3)
     group = 2
@@ -123,21 +117,16 @@ def test_decode_reference_matches_project_formulas():
             if not valid[b, h].any():
                 assert out[b, h].abs().max() == 0, "a head with no valid row must output zeros"
                 continue
-            slots = r2t[req_rows[b], rows[b, h].clamp(max=39)].long()
-            kk, vv = k[slots, h // group], v[slots, h // group]  # [N, D]
-            want = proj.gathered_decode_attention(q[b, h:h + 1], kk[None], vv[None],
-                                                  valid[b, h:h + 1], 0.3)
-            torch.testing.assert_close(out[b, h], want[0], atol=1e-6, rtol=1e-5)
-    # the token-mask form (default scale 1/sqrt(d)), on a duplicate-free selection of request 1
-    gen = torch.Generator().manual_seed(2)
-    rows1 = torch.stack([torch.randperm(40, generator=gen)[:23] for _ in range(4)])
-    out1 = R.sparse_decode_attention(q[1:2], k, v, r2t, req_rows[1:2], rows1[None], valid[1:2])
-    mask = torch.zeros(4, 40, dtype=torch.bool)
-    for h in range(4):
-        mask[h, rows1[h][valid[1, h]]] = True
-    slots = r2t[req_rows[1]].long()
-    want = proj.sparse_decode_attention(q[1], k[slots], v[slots], mask)
-    torch.testing.assert_close(out1[0], want, atol=1e-6, rtol=1e-5)
+            sel = rows[b, h][valid[b, h]].clamp(max=39)
+            slots = r2t[req_rows[b], sel].long()
+            want = _softmax_attention(q[b, h], k[slots, h // group], v[slots, h // group], 0.3)
+            torch.testing.assert_close(out[b, h], want, atol=1e-6, rtol=1e-5)
+    # default scale 1/sqrt(d)
+    out = R.sparse_decode_attention(q[:1], k, v, r2t, req_rows[:1], rows[:1], valid[:1])
+    sel = rows[0, 0][valid[0, 0]]
+    slots = r2t[req_rows[0], sel].long()
+    torch.testing.assert_close(out[0, 0], _softmax_attention(q[0, 0], k[slots, 0], v[slots, 0], 16 ** -0.5),
+                               atol=1e-6, rtol=1e-5)
 
 
 def test_pages_to_rows_by_definition():
@@ -152,27 +141,7 @@ def test_pages_to_rows_by_definition():
     assert got == want
 
 
-def test_quest_update_reference_matches_project_summaries():
-    proj = _proj_ref()
-    g = torch.Generator().manual_seed(3)
-    page, hkv, d = 4, 2, 8
-    k, _ = pool(200, hkv, d, torch.float32, g)
-    r2t = req_table(3, 40, 200, g)
-    kmin = torch.full((3, 12, hkv, d), -1e3)  # stale values: a wrong merge shows
-    kmax = torch.full((3, 12, hkv, d), 1e3)
-    for s, e in quest_chunks(page):
-        R.quest_update_summaries(k, r2t, torch.tensor([2, 0]), torch.tensor([s, s]),
-                                 torch.tensor([e, e]), kmin, kmax, page)
-    length = quest_chunks(page)[-1][1]
-    n_pages = -(-length // page)
-    for r in (2, 0):
-        mn, mx = proj.quest_page_summaries(k[r2t[r, :length].long()], page)
-        assert torch.equal(kmin[r, :n_pages], mn) and torch.equal(kmax[r, :n_pages], mx)
-    assert (kmin[1] == -1e3).all(), "request row 1 was not updated"
-
-
-def test_quest_scores_and_selection_match_project():
-    proj = _proj_ref()
+def test_quest_scores_and_selection_by_definition():
     g = torch.Generator().manual_seed(4)
     b, hq, hkv, d, p_max = 3, 8, 2, 16, 11
     kmin = torch.randn(4, p_max, hkv, d, generator=g)
@@ -181,19 +150,20 @@ def test_quest_scores_and_selection_match_project():
     n_pages = torch.tensor([11, 5, 2])
     rows = torch.tensor([3, 0, 1])
     scores = R.quest_page_scores(q, kmin, kmax, n_pages, summary_rows=rows)
-    budget, page = 32, 8  # quest_num_pages -> max(3, 4) = 4 pages, capped by n_pages
-    n_sel = torch.tensor([proj.quest_num_pages(budget, page, int(n)) for n in n_pages])
+    n_sel = torch.tensor([min(4, int(n)) for n in n_pages])  # 4 pages per head, capped by n_pages
     sel = R.quest_select_pages(scores, n_sel)
     assert sel.shape == (b, hq, 4) and sel.dtype == torch.int32
     for i in range(b):
         n = int(n_pages[i])
-        want = proj.quest_page_scores(q[i], kmin[rows[i], :n], kmax[rows[i], :n])
-        torch.testing.assert_close(scores[i, :, :n], want, atol=1e-5, rtol=1e-5)
+        mn, mx = kmin[rows[i], :n], kmax[rows[i], :n]
+        for h in range(hq):  # sum_c max(q_c * M_c, q_c * m_c), KV head h // (hq // hkv)
+            kv = h // (hq // hkv)
+            want = torch.stack([torch.maximum(q[i, h] * mx[p, kv], q[i, h] * mn[p, kv]).sum() for p in range(n)])
+            torch.testing.assert_close(scores[i, h, :n], want, atol=1e-5, rtol=1e-5)
+            order = sorted(range(n), key=lambda p: (-float(scores[i, h, p]), p))[: int(n_sel[i])]
+            assert sel[i, h, : int(n_sel[i])].tolist() == sorted(order), f"request {i} head {h}"
         assert torch.isneginf(scores[i, :, n:]).all()
-        want_sel = proj.quest_select_pages(q[i], kmin[rows[i], :n], kmax[rows[i], :n], budget, page)
-        got = sel[i, :, : want_sel.shape[1]]
-        assert torch.equal(got.long(), want_sel), f"request {i}"
-        assert (sel[i, :, want_sel.shape[1]:] == -1).all(), "padding must be -1"
+        assert (sel[i, :, int(n_sel[i]):] == -1).all(), "padding must be -1"
 
 
 def test_quest_selection_ties_go_to_lower_page():
@@ -204,21 +174,17 @@ def test_quest_selection_ties_go_to_lower_page():
     assert R.quest_select_pages(flat, 3).tolist() == [[[0, 1, 2], [0, 1, 2]]]
 
 
-@pytest.mark.parametrize("length,budget,window,kernel,hq,hkv", [
-    (40, 16, 4, 5, 6, 2), (33, 12, 4, 1, 4, 4), (20, 20, 4, 5, 2, 1), (64, 20, 8, 7, 8, 2),
-])
-def test_snapkv_reference_matches_project_selection(length, budget, window, kernel, hq, hkv):
-    proj = _proj_ref()
-    g = torch.Generator().manual_seed(length + budget)
-    k = torch.randn(length, hkv, 8, generator=g)
-    q_win = torch.randn(window, hq, 8, generator=g)
-    w = min(window, budget)
-    scores = R.snapkv_window_scores(q_win[-w:], k)
-    probs = proj.window_attention_probs(q_win[-w:], k)  # [Hq, w, L]
-    want_scores = probs.sum(dim=1).view(hkv, hq // hkv, length).mean(dim=1)
-    torch.testing.assert_close(scores, want_scores, atol=1e-6, rtol=1e-5)
-    got = R.snapkv_select(scores, window, budget, kernel)
-    assert torch.equal(got, proj.snapkv_keep_indices(q_win, k, budget, window, kernel))
+def test_snapkv_dispatch_reads_the_pool_through_slots():
+    """The dispatched selection (Triton on CUDA, here the reference) from the KV pool and the
+    prompt's slots equals the selection from the gathered keys."""
+    import sgl_kernel_sparse
+
+    g = torch.Generator().manual_seed(6)
+    k_pool = torch.randn(90, 2, 8, generator=g)
+    slots = torch.randperm(90, generator=g)[:40]
+    q_win = torch.randn(8, 6, 8, generator=g)
+    got = sgl_kernel_sparse.snapkv_keep_indices(q_win, k_pool, 16, 4, 5, slots=slots)
+    assert torch.equal(got, R.snapkv_keep_indices(q_win, k_pool[slots], 16, 4, 5))
 
 
 def test_compact_reference_overlapping_ranges():
@@ -283,7 +249,7 @@ def case_interpreter_active(T):
     from sgl_kernel_sparse import triton_compact, triton_decode, triton_quest, triton_snapkv
 
     kernels = [triton_decode._decode_partial_kernel, triton_decode._decode_reduce_kernel,
-               triton_quest._quest_update_kernel, triton_quest._quest_scores_kernel,
+               triton_quest._quest_scores_kernel,
                triton_snapkv._snapkv_lse_kernel, triton_snapkv._snapkv_score_kernel,
                triton_compact._copy_rows_kernel]
     assert all(isinstance(k, InterpretedFunction) for k in kernels), "kernels are not interpreted"
@@ -346,38 +312,6 @@ def case_paged_bf16_page3(T):
 
 def case_paged_fp16_page16(T):
     _paged_case(T, torch.float16, 16, 22)
-
-
-def _quest_update_case(T, kdtype, sdtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    page, hkv, d = 4, 2, 24
-    k, _ = pool(300, hkv, d, kdtype, g)
-    r2t = req_table(4, 40, 300, g)
-    reqs = torch.tensor([3, 1])
-    init = lambda v: torch.full((4, 12, hkv, d), v, dtype=sdtype)  # noqa: E731
-    got_min, got_max, want_min, want_max = init(-1e3), init(1e3), init(-1e3), init(1e3)
-    for s, e in quest_chunks(page):
-        starts, ends = torch.tensor([s, s + 2]), torch.tensor([e, e + 2])  # requests out of phase
-        one = (e - s == 1)
-        T.quest_update_summaries(k, r2t, reqs, starts, ends, got_min, got_max, page,
-                                 max_pages=1 if one else None)
-        R.quest_update_summaries(k, r2t, reqs, starts, ends, want_min, want_max, page)
-        assert torch.equal(got_min, want_min) and torch.equal(got_max, want_max), f"after [{s},{e})"
-    # separate summary rows, an empty update (start == end) and scalar arguments
-    T.quest_update_summaries(k, r2t, 1, 5, 5, got_min, got_max, page, summary_rows=0)
-    assert torch.equal(got_min, want_min), "empty update wrote"
-    T.quest_update_summaries(k, r2t, 1, 0, 9, got_min, got_max, page, summary_rows=0)
-    R.quest_update_summaries(k, r2t, 1, 0, 9, want_min, want_max, page, summary_rows=0)
-    assert torch.equal(got_min, want_min) and torch.equal(got_max, want_max), "summary_rows"
-
-
-def case_quest_update_fp32(T):
-    _quest_update_case(T, torch.float32, torch.float32, 30)
-
-
-def case_quest_update_bf16_keys_fp16_summaries(T):
-    _quest_update_case(T, torch.bfloat16, torch.float32, 31)
-    _quest_update_case(T, torch.float16, torch.float16, 32)
 
 
 def case_quest_scores(T):
@@ -589,7 +523,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
         pytest.skip(res.stderr.strip())
     assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
     kernels = {r["kernel"] for r in json.loads(report.read_text())}
-    assert kernels == {"_decode_partial_kernel", "_decode_reduce_kernel", "_quest_update_kernel",
+    assert kernels == {"_decode_partial_kernel", "_decode_reduce_kernel",
                        "_quest_scores_kernel", "_snapkv_lse_kernel", "_snapkv_score_kernel",
                        "_copy_rows_kernel"}
 
@@ -631,30 +565,19 @@ def test_gpu_paged_decode(dtype, page):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gpu_quest_update_and_scores(dtype):
+def test_gpu_quest_scores(dtype):
     from sgl_kernel_sparse import triton_ops as T
 
     g = torch.Generator().manual_seed(300)
-    page, hq, hkv, d, ctx = 16, 32, 8, 128, 4200
-    k = pool(5 * ctx, hkv, d, dtype, g)[0].cuda()
-    r2t = req_table(4, ctx, 5 * ctx, g).cuda()
-    reqs = torch.tensor([0, 2, 3], device="cuda")
-    p_max = ctx // page + 1
-    got = [torch.full((4, p_max, hkv, d), -1e3, device="cuda") for _ in range(2)]
-    want = [x.clone() for x in got]
-    chunks = [(0, 2049), (2049, 4096), (4096, 4100)] + [(t, t + 1) for t in range(4100, 4105)]
-    for s, e in chunks:  # prefill chunks ending mid-page, then decode steps; 3 requests
-        starts = torch.tensor([s, s + 3, s + 7], device="cuda")
-        ends = torch.tensor([e, e + 3, e + 7], device="cuda")
-        T.quest_update_summaries(k, r2t, reqs, starts, ends, *got, page,
-                                 max_pages=1 if e - s == 1 else None)
-        R.quest_update_summaries(k, r2t, reqs, starts, ends, *want, page)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    hq, hkv, d, p_max = 32, 8, 128, 263
+    kmin = torch.randn(4, p_max, hkv, d, generator=g)
+    kmax = (kmin + torch.rand(4, p_max, hkv, d, generator=g)).cuda()
+    kmin = kmin.cuda()
     q = torch.randn(4, hq, d, generator=g).to(dtype).cuda()
     n_pages = torch.tensor([p_max, 200, 1, 263], device="cuda")
     rows = torch.tensor([0, 2, 3, 0], device="cuda")
-    s_got = T.quest_page_scores(q, got[0], got[1], n_pages, summary_rows=rows)
-    s_want = R.quest_page_scores(q, want[0], want[1], n_pages, summary_rows=rows)
+    s_got = T.quest_page_scores(q, kmin, kmax, n_pages, summary_rows=rows)
+    s_want = R.quest_page_scores(q, kmin, kmax, n_pages, summary_rows=rows)
     torch.testing.assert_close(s_got, s_want, atol=1e-3, rtol=1e-4)
 
 

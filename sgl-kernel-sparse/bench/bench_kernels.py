@@ -147,29 +147,6 @@ def quest_cases(dtype, quick, T, R, g):
                    bytes=nbytes(kmin, kmax, q, n_pages) + out_bytes,
                    run=lambda: T.quest_page_scores(q, kmin, kmax, n_pages),
                    ref=lambda: R.quest_page_scores(q, kmin, kmax, n_pages))
-    # summaries of a whole prompt (after prefill), then one decode step for 32 requests
-    k, _ = kv_pool(ctx + 64, dtype, g)
-    r2t = req_table(1, ctx, ctx + 64, g)
-    kmin = torch.empty(1, p, HKV, D, dtype=dtype, device=DEVICE)
-    kmax = torch.empty_like(kmin)
-    zero = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    end = torch.full((1,), ctx, dtype=torch.int32, device=DEVICE)
-    yield dict(kernel="quest_update_summaries", shape=f"prefill L={ctx}", config="auto",
-               bytes=ctx * 4 + ctx * HKV * D * k.element_size() + nbytes(kmin, kmax),
-               run=lambda: T.quest_update_summaries(k, r2t, zero, zero, end, kmin, kmax, page,
-                                                    max_pages=p), ref=None)
-    b, dctx = SIZES["decode_b"], SIZES["decode_ctx"]
-    k, _ = kv_pool(b * dctx, dtype, g)
-    r2t = req_table(b, dctx, b * dctx, g)
-    kmin = torch.zeros(b, dctx // page, HKV, D, dtype=dtype, device=DEVICE)
-    kmax = torch.zeros_like(kmin)
-    req = torch.arange(b, dtype=torch.int32, device=DEVICE)
-    starts = (torch.arange(b, device=DEVICE, dtype=torch.int32) * 37) % (dctx - 2 * page) + page + 3
-    ends = starts + 1
-    yield dict(kernel="quest_update_summaries", shape=f"decode B={b} 1 token", config="auto",
-               bytes=b * (4 + HKV * D * k.element_size() * 5),  # slot, key, read+write summaries
-               run=lambda: T.quest_update_summaries(k, r2t, req, starts, ends, kmin, kmax, page,
-                                                    max_pages=1), ref=None)
 
 
 def snapkv_cases(dtype, quick, T, R, g):

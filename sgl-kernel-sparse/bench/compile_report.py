@@ -115,7 +115,6 @@ def _exercise(dtypes) -> None:
         T.snapkv_window_scores(torch.zeros(32, hq, d, dtype=dt), kc, slots=torch.arange(100))
         T.compact_kv(kc, kc, torch.zeros(hkv, 100, dtype=torch.int64), torch.arange(100))
         kmin = torch.zeros(b, 64, hkv, d, dtype=dt)
-        T.quest_update_summaries(kc, r2t, req, req * 0, req + 100, kmin, kmin, 16)
         T.quest_page_scores(q, kmin, kmin, req + 10)
     if torch.float16 in dtypes:  # fp32 summaries, fp16 queries
         kmin = torch.zeros(b, 64, hkv, d, dtype=torch.float32)

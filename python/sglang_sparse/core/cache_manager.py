@@ -69,18 +69,15 @@ class CacheManager:
         Returns the number of slots freed (``n_rows - B``)."""
         state = self.requests[rid]
         ret = state.retained
-        layers, heads, budget = keep.shape
+        layers, _, budget = keep.shape
         if budget >= ret.n_rows:
             return 0
         src_rows = ret.rows_of(keep)  # [layers, heads, B], each >= its destination row
         slots = self._resident_slots(state)
-        dst = slots[:budget].expand(heads, budget)
-        head_ix = torch.arange(heads, device=slots.device).view(heads, 1)
         for layer in range(layers):
-            src = slots[src_rows[layer].to(slots.device)]  # [heads, B]
-            for buf in (self.store.k_buffer(layer), self.store.v_buffer(layer)):
-                moved = buf[src, head_ix]  # gather first: sources and destinations overlap
-                buf[dst, head_ix] = moved
+            # row i of KV head h takes the entry of row src_rows[l, h, i] (sources read first:
+            # they overlap the destinations)
+            self.store.move_kv(layer, slots[src_rows[layer].to(slots.device)], slots[:budget])
         freed = slots[budget:].clone()
         ret.keep(keep)
         self.store.truncate_rows(state.req_row, budget)
@@ -96,6 +93,11 @@ class CacheManager:
     def _resident_slots(self, state: RequestState) -> torch.Tensor:
         """Slots of the request's resident rows ``[0, n_rows)``, in row order."""
         return self.store.row_slots(state.req_row, 0, state.retained.n_rows).to(torch.int64)
+
+    def resident_slots(self, rid: str) -> torch.Tensor:
+        """Slots of a request's resident rows ``[0, n_rows)`` in row order (valid until its rows
+        change)."""
+        return self._resident_slots(self.requests[rid])
 
     def keys(self, rid: str, layer: int) -> torch.Tensor:
         """Resident keys of a request in row order: ``[n_rows, kv_heads, d]``."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+from sgl_kernel_sparse.reference import compact_kv
 
 
 class KVStore(Protocol):
@@ -29,6 +30,10 @@ class KVStore(Protocol):
         """Return slots to the allocator. Each slot must be freed exactly once."""
 
     def free_count(self) -> int: ...
+
+    def move_kv(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """In layer ``layer``: ``buf[dst[i], h] = buf[src[h, i], h]`` for K and V (``src [H_kv, n]``,
+        ``dst [n]`` distinct), every source read before any write."""
 
     def truncate_rows(self, req_row: int, n_rows: int) -> None:
         """The request now owns only rows ``[0, n_rows)``; the caller frees the others' slots."""
@@ -84,6 +89,9 @@ class TensorKVStore:
         self.table[req_row, start : start + n] = out
         self.lengths[req_row] = start + n
         return out
+
+    def move_kv(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        compact_kv(self.k[layer], self.v[layer], src, dst)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer, slots] = k.to(self.k.dtype)

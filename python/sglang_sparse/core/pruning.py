@@ -15,7 +15,8 @@ Policies (``../shared/notes/methods.md``):
   probe queries i of A^h_ij; the first ``KVZIP_SINKS`` positions of the sequence are always kept.
 
 A^h_ij is the softmax attention of probe query i (head h) over every key it sees (causal).
-Ties keep the earlier position.
+Ties keep the earlier position. The attention, the pooling and SnapKV's window and kernel are the
+kernel package's (``sgl_kernel_sparse.reference``), shared with the snapkv method.
 """
 
 from __future__ import annotations
@@ -23,28 +24,15 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
+from sgl_kernel_sparse.reference import SNAPKV_KERNEL, pool_positions
 
 POLICIES = ("snapkv", "kvzip")
-SNAPKV_WINDOW = 32
-SNAPKV_POOL = 7
 KVZIP_SINKS = 4
 KVZIP_PROMPT = "\n\nRepeat the previous context exactly.\n"
 
 
 class PruneRequestError(ValueError):
     """Bad input: the message is the sentence the client gets (HTTP 400)."""
-
-
-def attention_probs(q: torch.Tensor, keys: torch.Tensor, q_rows: torch.Tensor, scale: float) -> torch.Tensor:
-    """Softmax attention ``[Hq, s, n]`` of queries ``q [s, Hq, D]`` over ``keys [n, Hkv, D]``;
-    query i sees key rows ``<= q_rows[i]`` (GQA: query head h reads KV head h // (Hq // Hkv))."""
-    hq, hkv = q.shape[1], keys.shape[1]
-    k = keys.float().repeat_interleave(hq // hkv, dim=1)  # [n, Hq, D]
-    logits = torch.einsum("shd,nhd->hsn", q.float(), k) * scale
-    visible = torch.arange(keys.shape[0]).view(1, -1) <= q_rows.view(-1, 1)  # [s, n]
-    logits = logits.masked_fill(~visible.unsqueeze(0), -math.inf)
-    return torch.softmax(logits, dim=-1)
 
 
 def check_policy(policy: str) -> None:
@@ -67,8 +55,7 @@ def finish_layer(policy: str, per_head: torch.Tensor) -> torch.Tensor:
     """Per-token score ``[m]`` of one layer from ``per_head [Hq, m]`` (interval tokens in
     logical order): snapkv smooths along the interval first; then the max over heads."""
     if policy == "snapkv" and per_head.shape[1] > 1:
-        per_head = F.avg_pool1d(per_head.unsqueeze(1), SNAPKV_POOL, stride=1,
-                                padding=SNAPKV_POOL // 2).squeeze(1)[:, : per_head.shape[1]]
+        per_head = pool_positions(per_head, SNAPKV_KERNEL)
     return per_head.max(dim=0).values
 
 

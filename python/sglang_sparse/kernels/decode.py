@@ -1,5 +1,5 @@
-"""Decode attention over the views of one batch: one ``sgl_kernel_sparse`` launch on CUDA
-(Triton), plain torch elsewhere (the CPU path).
+"""Decode attention over the views of one batch: one ``sgl_kernel_sparse`` call (Triton on CUDA,
+its plain-torch reference elsewhere: the CPU path).
 
 - ``decode_over_views``: per-request ``DecodeView`` rows (eager Python hooks);
 - ``decode_over_pages``: a batched ``PagedDecodeView`` (graph-safe hooks).
@@ -13,16 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_sparse.kernels import reference
-
-try:  # the kernel package is optional (installed by `make install`; carried to GPU machines)
-    import sgl_kernel_sparse
-except ImportError:  # pragma: no cover - exercised where the package is absent
-    sgl_kernel_sparse = None
-
-
-def use_kernel_package(q: torch.Tensor) -> bool:
-    return sgl_kernel_sparse is not None and q.is_cuda
+import sgl_kernel_sparse
 
 
 def pad_views(rows: list[torch.Tensor], valid: list[torch.Tensor], row_limit: list[int]):
@@ -42,29 +33,14 @@ def pad_views(rows: list[torch.Tensor], valid: list[torch.Tensor], row_limit: li
 def decode_over_views(q, k_cache, v_cache, req_to_token, req_rows: list[int], rows: list[torch.Tensor],
                       valid: list[torch.Tensor], row_limit: list[int], scale: float) -> torch.Tensor:
     """q ``[B, Hq, D]``; k/v_cache ``[slots, Hkv, D]``. Returns ``[B, Hq, Dv]`` in q's dtype."""
-    if use_kernel_package(q):
-        r, v = pad_views(rows, valid, row_limit)
-        req = torch.tensor(req_rows, dtype=torch.int64, device=q.device)
-        return sgl_kernel_sparse.sparse_decode_attention(q, k_cache, v_cache, req_to_token, req, r, v, scale)
-    hq, hkv = q.shape[1], k_cache.shape[1]
-    kv_head = (torch.arange(hq, device=q.device) // (hq // hkv)).view(-1, 1)
-    out = torch.empty(q.shape[0], hq, v_cache.shape[-1], dtype=q.dtype, device=q.device)
-    for i in range(q.shape[0]):
-        slots = req_to_token[req_rows[i], rows[i].clamp(max=row_limit[i] - 1)].to(torch.int64)
-        out[i] = reference.gathered_decode_attention(q[i], k_cache[slots, kv_head], v_cache[slots, kv_head],
-                                                     valid[i], scale)
-    return out
+    r, v = pad_views(rows, valid, row_limit)
+    req = torch.tensor(req_rows, dtype=torch.int64, device=q.device)
+    return sgl_kernel_sparse.sparse_decode_attention(q, k_cache, v_cache, req_to_token, req, r, v, scale)
 
 
 def decode_over_pages(q, k_cache, v_cache, table, req_rows, page_ids, n_rows, page: int, scale: float):
     """q ``[B, Hq, D]``; page_ids ``[B, Hq, P]`` row-pages (``-1`` padding); rows ``>= n_rows[b]``
     masked. The kernel package dispatches itself (Triton on CUDA, no host sync, so CUDA graphs
-    capture it; its plain-torch reference elsewhere); without it, pages become rows for
-    ``decode_over_views``."""
-    if sgl_kernel_sparse is not None:
-        return sgl_kernel_sparse.paged_sparse_decode_attention(
-            q, k_cache, v_cache, table, req_rows.long(), page_ids, n_rows, page, scale)
-    rows = (page_ids.clamp(min=0).unsqueeze(-1) * page + torch.arange(page, device=q.device)).flatten(2)
-    valid = (page_ids >= 0).repeat_interleave(page, dim=-1) & (rows < n_rows.view(-1, 1, 1))
-    return decode_over_views(q, k_cache, v_cache, table, req_rows.tolist(), list(rows), list(valid),
-                             n_rows.tolist(), scale)
+    capture it; its plain-torch reference elsewhere)."""
+    return sgl_kernel_sparse.paged_sparse_decode_attention(
+        q, k_cache, v_cache, table, req_rows.long(), page_ids, n_rows, page, scale)

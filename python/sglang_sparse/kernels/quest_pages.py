@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import torch
 
-try:  # the kernel package (installed by `make install`; carried to GPU machines)
-    import sgl_kernel_sparse
-except ImportError:  # pragma: no cover - exercised where the package is absent
-    sgl_kernel_sparse = None
+import sgl_kernel_sparse
 
 
 def new_summaries(num_slots: int, page: int, kv_heads: int, head_dim: int, dtype, device):
@@ -47,7 +44,7 @@ def page_scores(q, kmin, kmax, table, req_rows, n_rows, page: int) -> torch.Tens
     ``max(q*M, q*m) = relu(q)*M + min(q,0)*m`` (M >= m), i.e. two batched matmuls; on CUDA one
     sgl-kernel-sparse Triton launch reads each page's summary once through the table."""
     n_pages = (n_rows.long() + page - 1) // page
-    if sgl_kernel_sparse is not None and q.is_cuda:
+    if q.is_cuda:
         return sgl_kernel_sparse.quest_page_scores_paged(q, kmin, kmax, table, req_rows.long(), n_pages, page)
     b, hq, d = q.shape
     hkv = kmin.shape[1]

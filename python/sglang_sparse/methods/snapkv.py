@@ -4,8 +4,8 @@ then physically compacted.
 After the last prompt chunk, the last ``window`` prompt queries score every earlier prompt
 position (softmax attention, fp32, summed over the window, averaged over each GQA group so the
 choice is per KV head), scores are avg-pooled (``kernel``), and per layer and KV head the top
-``budget - window`` positions plus the window are kept (``kernels.reference.snapkv_keep_indices``;
-ties go to the lower position). Everything else is released to the allocator. Prompts of at most
+``budget - window`` positions plus the window are kept (``sgl_kernel_sparse.reference.snapkv_keep_indices``,
+the window scores on Triton for CUDA tensors; ties go to the lower position). Everything else is released to the allocator. Prompts of at most
 ``budget`` tokens are not compressed; decode tokens are appended and never rescored.
 
 Chunked prefill: window queries are buffered as their chunk passes, so a window that straddles
@@ -21,19 +21,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from sgl_kernel_sparse.reference import SNAPKV_KERNEL, SNAPKV_WINDOW
 
 from sglang_sparse.core.events import LayerInput, StepInfo
 from sglang_sparse.core.memory_oracle import MemoryOracle
 from sglang_sparse.core.runtime import SparseMethodRuntime
-from sglang_sparse.kernels import reference
+from sglang_sparse.kernels import snapkv_keep_indices
 from sglang_sparse.registry import ConfigError, check_range, register_method
 
 
 @dataclass(frozen=True)
 class SnapKVConfig:
     budget: int = 1024
-    window: int = 32
-    kernel: int = 7
+    window: int = SNAPKV_WINDOW
+    kernel: int = SNAPKV_KERNEL
 
     def validate(self) -> None:
         check_range("window", self.window, 1)
@@ -92,10 +93,11 @@ class SnapKVRuntime(SparseMethodRuntime):
         keep = []
         held = ret.all_positions()  # [layers, kv_heads, rows]: logical position of each row
         prompt_rows = prompt - ret.offset  # rows holding prompt tokens (a resumed chain: fewer)
+        slots = self.cache.resident_slots(rid)[:prompt_rows]  # the prompt's keys stay in the pool
         for layer in range(self.cache.store.num_layers):
-            k = self.cache.keys(rid, layer)[:prompt_rows]
-            picked = reference.snapkv_keep_indices(
-                window_q[layer], k, self.config.budget, self.config.window, self.config.kernel
+            picked = snapkv_keep_indices(
+                window_q[layer], self.cache.store.k_buffer(layer), self.config.budget, self.config.window,
+                self.config.kernel, slots=slots.to(window_q[layer].device),
             )  # row indices per KV head (== logical positions unless the request resumed a chain)
             keep.append(held[layer].gather(1, picked.cpu()))
         keep_t = torch.stack(keep)  # [layers, kv_heads, budget]

@@ -38,7 +38,6 @@ def _pick(name, args, kwargs):
 _REF_KWARGS = {
     "sparse_decode_attention": ("scale",),
     "paged_sparse_decode_attention": ("scale",),
-    "quest_update_summaries": ("summary_rows",),
     "quest_page_scores": ("summary_rows",),
     "quest_page_scores_paged": (),
     "snapkv_window_scores": ("scale", "slots"),
@@ -60,13 +59,6 @@ def paged_sparse_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, p
                  dict(scale=scale, **triton_kwargs))
 
 
-def quest_update_summaries(k_cache, req_to_token, req_rows, starts, ends, kmin, kmax, page,
-                           summary_rows=None, **triton_kwargs):
-    return _pick("quest_update_summaries",
-                 (k_cache, req_to_token, req_rows, starts, ends, kmin, kmax, page),
-                 dict(summary_rows=summary_rows, **triton_kwargs))
-
-
 def quest_page_scores(q, kmin, kmax, n_pages, summary_rows=None, **triton_kwargs):
     return _pick("quest_page_scores", (q, kmin, kmax, n_pages),
                  dict(summary_rows=summary_rows, **triton_kwargs))
@@ -84,6 +76,13 @@ def snapkv_window_scores(q_win, k, scale=None, slots=None, **triton_kwargs):
 
 def compact_kv(k_cache, v_cache, src_slots, dst_slots, **triton_kwargs):
     return _pick("compact_kv", (k_cache, v_cache, src_slots, dst_slots), dict(triton_kwargs))
+
+
+def snapkv_keep_indices(q_win, k, budget, window, kernel, scale=None, slots=None):
+    """``reference.snapkv_keep_indices`` with the window scores on Triton for CUDA tensors (the
+    keys read from the pool through ``slots``), the selection in torch."""
+    return reference.snapkv_keep_indices(q_win, k, budget, window, kernel, scale=scale, slots=slots,
+                                         window_scores=snapkv_window_scores)
 
 
 # Selection stays in torch on every device (stable sorts: ties -> lower index).

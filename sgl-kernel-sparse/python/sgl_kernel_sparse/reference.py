@@ -1,7 +1,7 @@
-"""Plain-torch references: the ground truth for every Triton kernel of this package (any device).
-
-Formulas follow the project's reference (``sglang_sparse/kernels/reference.py``); this module
-only adds the KV-pool indirection SGLang uses. Index conventions, used everywhere:
+"""Plain-torch references: the one definition of every formula of the sparse hot paths (any
+device). The Triton kernels of this package are tested against them, sglang_sparse's methods,
+its /prune scoring and its CPU path call them; nothing else re-implements them. Index
+conventions, used everywhere:
 
 - *position*: logical token index inside one request, ``0 .. seq_len-1``;
 - *slot*: physical row of the token-major KV pool, ``k_cache[slot]`` is ``[H_kv, D]``
@@ -19,8 +19,34 @@ import torch
 import torch.nn.functional as F
 
 
+# SnapKV's defaults (Li et al., 2024), shared by the snapkv method and /prune's snapkv policy.
+SNAPKV_WINDOW = 32
+SNAPKV_KERNEL = 7
+
+
 def _scale(scale: float | None, d: int) -> float:
     return 1.0 / math.sqrt(d) if scale is None else float(scale)
+
+
+def attention_probs(q, keys, q_positions, scale=None):
+    """Causal softmax attention ``[Hq, S, N]`` (fp32) of queries ``q [S, Hq, D]`` over ``keys
+    [N, Hkv, D]`` (positions 0..N-1); query i sees keys ``<= q_positions[i]``. GQA: query head h
+    reads KV head ``h // (Hq // Hkv)``."""
+    hq, hkv, d = q.shape[1], keys.shape[1], q.shape[2]
+    k = keys.float().repeat_interleave(hq // hkv, dim=1)  # [N, Hq, D]
+    logits = torch.einsum("shd,nhd->hsn", q.float(), k) * _scale(scale, d)
+    visible = torch.arange(keys.shape[0], device=keys.device).view(1, -1) <= q_positions.to(keys.device).view(-1, 1)
+    return torch.softmax(logits.masked_fill(~visible.unsqueeze(0), float("-inf")), dim=-1)
+
+
+def pool_positions(scores, kernel):
+    """Average pooling along the last dim (odd ``kernel``, stride 1, zero padding counted), the
+    length kept: SnapKV's smoothing of scores over neighbouring positions."""
+    if kernel <= 1 or scores.shape[-1] == 0:
+        return scores
+    shape = scores.shape
+    pooled = F.avg_pool1d(scores.reshape(-1, 1, shape[-1]), kernel, stride=1, padding=kernel // 2)
+    return pooled.reshape(*shape[:-1], -1)[..., : shape[-1]]
 
 
 # ------------------------------------------------------------------ sparse decode attention
@@ -70,31 +96,17 @@ def paged_sparse_decode_attention(
 # ------------------------------------------------------------------ Quest
 
 
-def quest_update_summaries(k_cache, req_to_token, req_rows, starts, ends, kmin, kmax, page,
-                           summary_rows=None):
-    """Fold the keys of positions ``[starts[i], ends[i])`` of request i into its page summaries.
-
-    kmin/kmax ``[S, P_max, Hkv, D]`` (any float dtype), row ``summary_rows[i]`` (default
-    ``req_rows[i]``). Contract: positions ``[0, starts[i])`` are already summarized. A page that
-    begins before ``starts[i]`` is merged (min/max with its stored value); a page that begins at
-    or after it is overwritten. In place; returns (kmin, kmax).
-    """
-    req_rows, starts, ends = (torch.as_tensor(x).view(-1) for x in (req_rows, starts, ends))
-    summary_rows = req_rows if summary_rows is None else torch.as_tensor(summary_rows).view(-1)
-    for i in range(req_rows.numel()):
-        s, e, r, sr = int(starts[i]), int(ends[i]), int(req_rows[i]), int(summary_rows[i])
-        for p in range(s // page, -(-e // page)):
-            lo, hi = max(p * page, s), min((p + 1) * page, e)
-            if lo >= hi:
-                continue
-            k = k_cache[req_to_token[r, lo:hi].long()].float()  # [hi-lo, Hkv, D]
-            mn, mx = k.amin(dim=0), k.amax(dim=0)
-            if lo > p * page:  # page already holds positions [p*page, lo)
-                mn = torch.minimum(mn, kmin[sr, p].float())
-                mx = torch.maximum(mx, kmax[sr, p].float())
-            kmin[sr, p] = mn.to(kmin.dtype)
-            kmax[sr, p] = mx.to(kmax.dtype)
-    return kmin, kmax
+def quest_page_summaries(k, page):
+    """Quest's page summaries of one request's keys ``k [L, Hkv, D]``: the channel-wise min and
+    max of each page of ``page`` positions, each ``[ceil(L/page), Hkv, D]`` (fp32). The last page
+    may be partial; its summary covers only its valid positions."""
+    length, hkv, d = k.shape
+    n_pages = -(-length // page)
+    pad = n_pages * page - length
+    kf = k.float()
+    lo = F.pad(kf, (0, 0, 0, 0, 0, pad), value=float("inf")).view(n_pages, page, hkv, d)
+    hi = F.pad(kf, (0, 0, 0, 0, 0, pad), value=float("-inf")).view(n_pages, page, hkv, d)
+    return lo.amin(dim=1), hi.amax(dim=1)
 
 
 def quest_page_scores(q, kmin, kmax, n_pages, summary_rows=None):
@@ -156,15 +168,10 @@ def snapkv_window_scores(q_win, k, scale=None, slots=None):
     """
     if slots is not None:
         k = k[slots.long()]
-    w, hq, d = q_win.shape
+    w, hq, _ = q_win.shape
     length, hkv, _ = k.shape
-    group = hq // hkv
-    kq = k.float().repeat_interleave(group, dim=1)
-    logits = torch.einsum("whd,lhd->hwl", q_win.float(), kq) * _scale(scale, d)
-    qpos = torch.arange(length - w, length, device=k.device).view(w, 1)
-    causal = torch.arange(length, device=k.device).view(1, length) <= qpos
-    probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)  # [Hq, W, L]
-    return probs.sum(dim=1).view(hkv, group, length).mean(dim=1)
+    probs = attention_probs(q_win, k, torch.arange(length - w, length, device=k.device), scale)  # [Hq, W, L]
+    return probs.sum(dim=1).view(hkv, hq // hkv, length).mean(dim=1)
 
 
 def snapkv_select(scores, window, budget, kernel):
@@ -176,12 +183,29 @@ def snapkv_select(scores, window, budget, kernel):
     if length <= budget:
         return torch.arange(length, device=scores.device).expand(hkv, length).clone()
     w = min(window, budget)
-    cand = scores[:, : length - w]
-    if kernel > 1:
-        cand = F.avg_pool1d(cand.unsqueeze(1), kernel, stride=1, padding=kernel // 2).squeeze(1)
-    picked = stable_topk(cand, budget - w)
+    picked = stable_topk(pool_positions(scores[:, : length - w], kernel), budget - w)
     win = torch.arange(length - w, length, device=scores.device).expand(hkv, w)
     return torch.cat([picked, win], dim=1)
+
+
+def snapkv_keep_indices(q_win, k, budget, window, kernel, scale=None, slots=None,
+                        window_scores=snapkv_window_scores):
+    """SnapKV's selection for one layer of one request: positions kept per KV head
+    ``[Hkv, min(budget, L)]``, ascending.
+
+    Logical ranges (prompt of length L, window w = min(window, len(q_win), budget), budget C):
+      ``[0, L-w)``  candidates: the window's attention summed over window queries, averaged over
+                    each GQA group (selection per KV head), pooled, top ``C - w`` kept
+      ``[L-w, L)``  the observation window, always kept
+    ``L <= C``: all kept. ``k`` as in ``snapkv_window_scores`` (keys, or the pool with ``slots``);
+    ``window_scores`` computes the raw scores (the Triton kernel on CUDA)."""
+    length = k.shape[0] if slots is None else slots.numel()
+    hkv = k.shape[1]
+    if length <= budget:
+        return torch.arange(length, device=k.device).expand(hkv, length).clone()
+    w = min(window, q_win.shape[0], budget)
+    scores = window_scores(q_win[-w:], k, scale=scale, slots=slots)
+    return snapkv_select(scores, w, budget, kernel)
 
 
 def stable_topk(scores, k):

@@ -2,7 +2,7 @@
 
 from .triton_compact import compact_kv
 from .triton_decode import paged_sparse_decode_attention, sparse_decode_attention
-from .triton_quest import quest_page_scores, quest_page_scores_paged, quest_update_summaries
+from .triton_quest import quest_page_scores, quest_page_scores_paged
 from .triton_snapkv import snapkv_window_scores
 
 __all__ = [
@@ -10,7 +10,6 @@ __all__ = [
     "paged_sparse_decode_attention",
     "quest_page_scores",
     "quest_page_scores_paged",
-    "quest_update_summaries",
     "snapkv_window_scores",
     "sparse_decode_attention",
 ]

@@ -1,8 +1,10 @@
-"""Quest: per-page key summaries (channel-wise min / max) and page upper-bound scores.
+"""Quest: page upper-bound scores from per-page key summaries (channel-wise min / max).
 
-Page ``p`` of a request covers positions ``[p*PAGE, (p+1)*PAGE)``; its keys live at slots
-``req_to_token[req_row, position]``. Summaries are ``kmin/kmax [S, P_max, Hkv, D]``, one row per
-request (``summary_rows``), any float dtype (min/max are exact in any of them).
+Page ``p`` of a request covers positions ``[p*PAGE, (p+1)*PAGE)``. Summaries are either one row
+per request (``quest_page_scores``: ``kmin/kmax [S, P_max, Hkv, D]``, row ``summary_rows[b]``) or
+per physical page of the KV pool (``quest_page_scores_paged``, what sglang_sparse's Quest keeps:
+``[N_pages, Hkv, D]``, row-page p of request b is ``req_to_token[req_rows[b], p*PAGE] // PAGE``);
+any float dtype. The summaries themselves are kept by ``sglang_sparse.kernels.quest_pages``.
 """
 
 from __future__ import annotations
@@ -12,44 +14,6 @@ import triton
 import triton.language as tl
 
 from .triton_common import check_device, check_rows, pow2
-
-
-@triton.jit
-def _quest_update_kernel(
-    K, REQ_TO_TOKEN, REQ_ROWS, SUM_ROWS, STARTS, ENDS, KMIN, KMAX,
-    s_ks, s_kh, s_rt, s_mr, s_mp, s_mh, s_xr, s_xp, s_xh,
-    D: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """Program (i, j, h): the j-th page touched by update i, KV head h."""
-    i = tl.program_id(0)
-    j = tl.program_id(1)
-    h = tl.program_id(2)
-    start = tl.load(STARTS + i).to(tl.int64)
-    end = tl.load(ENDS + i).to(tl.int64)
-    p = start // PAGE + j  # page id
-    page_lo = p * PAGE
-    lo = tl.maximum(page_lo, start)  # positions [lo, hi) of page p are new
-    hi = tl.minimum(page_lo + PAGE, end)
-    if lo < hi:
-        req = tl.load(REQ_ROWS + i).to(tl.int64)
-        row = tl.load(SUM_ROWS + i).to(tl.int64)
-        t = page_lo + tl.arange(0, BLOCK_T)
-        tok = (t >= lo) & (t < hi)
-        d = tl.arange(0, BLOCK_D)
-        dmask = d < D
-        slot = tl.load(REQ_TO_TOKEN + req * s_rt + t, mask=tok, other=0).to(tl.int64)
-        m2 = tok[:, None] & dmask[None, :]
-        k = tl.load(K + slot[:, None] * s_ks + h * s_kh + d[None, :], mask=m2, other=0.0)
-        k = k.to(tl.float32)
-        mn = tl.min(tl.where(m2, k, float("inf")), axis=0)
-        mx = tl.max(tl.where(m2, k, -float("inf")), axis=0)
-        pmin = KMIN + row * s_mr + p * s_mp + h * s_mh + d
-        pmax = KMAX + row * s_xr + p * s_xp + h * s_xh + d
-        merge = dmask & (lo > page_lo)  # page already summarizes [page_lo, lo)
-        mn = tl.minimum(mn, tl.load(pmin, mask=merge, other=float("inf")).to(tl.float32))
-        mx = tl.maximum(mx, tl.load(pmax, mask=merge, other=-float("inf")).to(tl.float32))
-        tl.store(pmin, mn.to(KMIN.dtype.element_ty), mask=dmask)
-        tl.store(pmax, mx.to(KMAX.dtype.element_ty), mask=dmask)
 
 
 @triton.jit
@@ -95,40 +59,6 @@ def _quest_scores_kernel(
 def _as_index(x, n, device):
     t = torch.as_tensor(x, device=device)
     return t.expand(n).contiguous() if t.dim() == 0 else t.contiguous()
-
-
-def quest_update_summaries(k_cache, req_to_token, req_rows, starts, ends, kmin, kmax, page,
-                           summary_rows=None, max_pages=None):
-    """Triton version of ``reference.quest_update_summaries`` (in place; returns kmin, kmax).
-
-    ``max_pages``: an upper bound on pages touched by one update; computing it otherwise
-    needs one device->host sync (pass ``1`` for decode steps of one token each)."""
-    dev = k_cache.device
-    req_rows = _as_index(req_rows, 1, dev).view(-1)
-    n = req_rows.numel()
-    starts, ends = _as_index(starts, n, dev).view(-1), _as_index(ends, n, dev).view(-1)
-    summary_rows = req_rows if summary_rows is None else _as_index(summary_rows, n, dev).view(-1)
-    check_rows(k_cache, kmin, kmax)
-    check_device(req_to_token, req_rows, starts, ends, summary_rows)
-    if req_to_token.stride(1) != 1:
-        raise ValueError("req_to_token rows must be contiguous")
-    if n == 0:
-        return kmin, kmax
-    if max_pages is None:
-        first = starts.div(page, rounding_mode="floor")
-        span = (ends - 1).div(page, rounding_mode="floor") - first + 1
-        max_pages = int(span.max())
-    if max_pages <= 0:
-        return kmin, kmax
-    hkv, d = k_cache.shape[1], k_cache.shape[2]
-    _quest_update_kernel[(n, max_pages, hkv)](
-        k_cache, req_to_token, req_rows, summary_rows, starts, ends, kmin, kmax,
-        k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0),
-        kmin.stride(0), kmin.stride(1), kmin.stride(2),
-        kmax.stride(0), kmax.stride(1), kmax.stride(2),
-        D=d, PAGE=int(page), BLOCK_T=pow2(page), BLOCK_D=pow2(d, 16), num_warps=4,
-    )
-    return kmin, kmax
 
 
 def quest_page_scores(q, kmin, kmax, n_pages, summary_rows=None, block_p=None):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from sgl_kernel_sparse import compact_kv
 
 
 class SGLangKVStore:
@@ -27,6 +28,10 @@ class SGLangKVStore:
 
     def free_count(self) -> int:
         return self.allocator.available_size()
+
+    def move_kv(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Compaction's moves: one sgl-kernel-sparse ``compact_kv`` (Triton on CUDA)."""
+        compact_kv(self.pool.get_key_buffer(layer), self.pool.get_value_buffer(layer), src, dst)
 
     def bytes_per_slot(self) -> int:
         """Bytes one slot (one token's K and V in every layer) takes in the pool."""

@@ -21,6 +21,7 @@ Rows vs logical: a later request matching the pruned path holds its P retained s
 from __future__ import annotations
 
 import torch
+from sgl_kernel_sparse.reference import SNAPKV_WINDOW, attention_probs
 
 from sglang_sparse.core import pruning
 from sglang_sparse.core.logical_tree import PruneBlocked
@@ -93,7 +94,7 @@ def plan(scheduler, op: PrunePlan) -> dict:
         return {"status": "blocked", "reason": str(err)}
     cap = None
     if policy == "snapkv":
-        window = min(pruning.SNAPKV_WINDOW, len(tokens) - ranges[-1][1])
+        window = min(SNAPKV_WINDOW, len(tokens) - ranges[-1][1])
         if window < 1:
             raise PruneError(400, "the snapkv policy observes the interval from the tokens after it; "
                                   "the sequence ends where the last interval does (use kvzip)")
@@ -158,7 +159,7 @@ def capture(backend, q, layer, forward_batch) -> None:
         per_head = None
         for b in range(0, s, QUERY_BLOCK):  # bounded memory: [Hq, block, rows]
             e = min(s, b + QUERY_BLOCK)
-            probs = pruning.attention_probs(q3[start + b: start + e].cpu(), keys.cpu(),
+            probs = attention_probs(q3[start + b: start + e].cpu(), keys.cpu(),
                                             torch.arange(p + b, p + e), layer.scaling)
             part = pruning.reduce_queries(job.policy, probs[:, :, cols])
             per_head = part if per_head is None else pruning.combine(job.policy, per_head, part)
