@@ -38,6 +38,9 @@ class KVStore(Protocol):
     def truncate_rows(self, req_row: int, n_rows: int) -> None:
         """The request now owns only rows ``[0, n_rows)``; the caller frees the others' slots."""
 
+    def bytes_per_slot(self) -> int:
+        """Bytes one slot takes in the store's representation (K and V of every layer)."""
+
 
 class TensorKVStore:
     """Slot pool + slot table + free list, all plain tensors. KV is allocated in pages of
@@ -69,6 +72,9 @@ class TensorKVStore:
 
     def free_count(self) -> int:
         return len(self._free) * self.page_size
+
+    def bytes_per_slot(self) -> int:
+        return self.k[:, 0].nbytes + self.v[:, 0].nbytes
 
     def alloc_rows(self, req_row: int, n: int) -> torch.Tensor:
         """Append n rows to a request (the engine's job in SGLang): the rest of its last page

@@ -11,9 +11,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class MemoryOracle:
-    """Rows (slots) held by one request. ``retained_budget=None``: nothing is evicted."""
+    """Rows (slots) held by one request. ``retained_budget=None``: nothing is evicted.
+    ``row_cap``: a method that also evicts while decoding (StreamingLLM) never holds more rows
+    than this once its prompt is compacted."""
 
     retained_budget: int | None = None
+    row_cap: int | None = None
 
     def prefill_peak_rows(self, prompt_len: int) -> int:
         """Rows held while the prompt is prefilled (until compaction)."""
@@ -26,7 +29,13 @@ class MemoryOracle:
 
     def rows_at(self, prompt_len: int, generated: int) -> int:
         """Rows held after ``generated`` decode tokens."""
-        return self.rows_after_prefill(prompt_len) + generated
+        rows = self.rows_after_prefill(prompt_len) + generated
+        return rows if self.row_cap is None else min(rows, max(self.row_cap, self.rows_after_prefill(prompt_len)))
+
+    def decode_growth(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Rows a request gains from its compacted prompt to its last token (at most
+        ``max_new_tokens``; less when decoding also evicts)."""
+        return self.rows_at(prompt_len, max_new_tokens) - self.rows_after_prefill(prompt_len)
 
     @property
     def evicts(self) -> bool:

@@ -25,7 +25,7 @@ from sgl_kernel_sparse.reference import SNAPKV_KERNEL, SNAPKV_WINDOW
 
 from sglang_sparse.core.events import LayerInput, StepInfo
 from sglang_sparse.core.memory_oracle import MemoryOracle
-from sglang_sparse.core.runtime import SparseMethodRuntime
+from sglang_sparse.core.eviction import EvictingRuntime
 from sglang_sparse.kernels import snapkv_keep_indices
 from sglang_sparse.registry import ConfigError, check_range, register_method
 
@@ -45,13 +45,10 @@ class SnapKVConfig:
 
 
 @register_method("snapkv", "eviction", SnapKVConfig, "observation-window prompt selection + compaction")
-class SnapKVRuntime(SparseMethodRuntime):
-    evicts_kv = True
-
+class SnapKVRuntime(EvictingRuntime):
     def __init__(self, cache, config: SnapKVConfig | None = None) -> None:
         self.config = config or SnapKVConfig()
         super().__init__(cache, MemoryOracle(retained_budget=self.config.budget))
-        self.pending: list[str] = []
 
     def on_prefill_chunk(self, layer: LayerInput) -> None:
         """Buffer the queries of logical positions ``[P - w, P)`` as their chunk passes."""
@@ -74,19 +71,9 @@ class SnapKVRuntime(SparseMethodRuntime):
     def finish_step(self, step: StepInfo) -> None:
         for r in step.requests:
             if r.is_last_prompt_chunk and r.prompt_len > self.config.budget:
-                self.pending.append(r.rid)
+                self.schedule(r.rid)
 
-    def apply_pending(self, only: set[str] | None = None) -> int:
-        freed, waiting = 0, []
-        for rid in self.pending:
-            if only is not None and rid not in only:
-                waiting.append(rid)
-            elif rid in self.cache.requests:  # gone: finished before its safe point
-                freed += self._compact(rid)
-        self.pending = waiting
-        return freed
-
-    def _compact(self, rid: str) -> int:
+    def plan(self, rid: str) -> torch.Tensor:
         state = self.cache.requests[rid]
         prompt, ret = state.prompt_len, state.retained
         window_q = state.metadata.pop("window_q")
@@ -105,4 +92,4 @@ class SnapKVRuntime(SparseMethodRuntime):
         if decoded:
             tail = torch.arange(prompt, ret.logical_len).expand(*keep_t.shape[:2], decoded)
             keep_t = torch.cat([keep_t, tail], dim=2)
-        return self.cache.compact(rid, keep_t)
+        return keep_t

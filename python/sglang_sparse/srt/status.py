@@ -46,10 +46,15 @@ def scheduler_stats(scheduler) -> dict | None:
     owners = residency(scheduler)
     logical = sum(o["logical_tokens"] for o in owners.values())
     retained = sum(o["retained_tokens"] for o in owners.values())
+    total, free = int(scheduler.max_total_num_tokens), int(scheduler.token_to_kv_pool_allocator.available_size())
+    per_slot = st.controller.cache.store.bytes_per_slot()  # the method's representation (docs/kv_payload.md)
     return {
         "method": stats["method"],
-        "kv_total_slots": int(scheduler.max_total_num_tokens),
-        "kv_free_slots": int(scheduler.token_to_kv_pool_allocator.available_size()),
+        "kv_total_slots": total,
+        "kv_free_slots": free,
+        "kv_bytes_per_token": per_slot,
+        "kv_bytes_total": total * per_slot,
+        "kv_bytes_used": (total - free) * per_slot,
         # everything resident: running requests, the radix tree, idle chains (split in by_owner)
         "logical_tokens": logical,
         "retained_tokens": retained,

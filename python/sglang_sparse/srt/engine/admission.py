@@ -36,8 +36,13 @@ def around_max_new_tokens_for_memory(original, allocator, input_tokens, max_new_
         return original(allocator, input_tokens, max_new_tokens, **kwargs)
     if original(allocator, input_tokens, 1, **kwargs) != 1:  # the prompt itself does not fit
         return original(allocator, input_tokens, max_new_tokens, **kwargs)
-    # After compaction the request holds rows_after_prefill rows, then one more per new token.
-    return original(allocator, ctl.oracle.rows_after_prefill(input_tokens), max_new_tokens, **kwargs)
+    # After compaction the request holds rows_after_prefill rows, then one more per new token
+    # (or, when decoding also evicts, at most the oracle's row cap).
+    after = ctl.oracle.rows_after_prefill(input_tokens)
+    growth = ctl.oracle.decode_growth(input_tokens, max_new_tokens)
+    if original(allocator, after, growth, **kwargs) == growth:
+        return max_new_tokens
+    return original(allocator, after, max_new_tokens, **kwargs)
 
 
 def around_init_req_max_new_tokens(original, scheduler, req, *args, **kwargs):

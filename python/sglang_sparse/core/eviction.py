@@ -1,0 +1,42 @@
+"""Planned compactions, applied at the engine's safe point (engine-agnostic).
+
+An evicting method decides *what* to keep while a step runs (``finish_step``) and must not move
+rows while a forward may still read them; ``EvictingRuntime`` keeps the list of requests with a
+planned compaction and applies them in ``apply_pending`` (see ``runtime`` for the firing order).
+A subclass implements ``plan(rid)``: the logical positions to keep, ``[layers, kv_heads, B]``
+(one budget for every layer) or a list of ``[kv_heads, B_l]`` per layer (per-layer budgets),
+or None when nothing is to be dropped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_sparse.core.runtime import SparseMethodRuntime
+
+
+class EvictingRuntime(SparseMethodRuntime):
+    evicts_kv = True
+
+    def __init__(self, cache, oracle=None) -> None:
+        super().__init__(cache, oracle)
+        self.pending: list[str] = []
+
+    def schedule(self, rid: str) -> None:
+        if rid not in self.pending:
+            self.pending.append(rid)
+
+    def plan(self, rid: str) -> torch.Tensor | list[torch.Tensor] | None:
+        raise NotImplementedError
+
+    def apply_pending(self, only: set[str] | None = None) -> int:
+        freed, waiting = 0, []
+        for rid in self.pending:
+            if only is not None and rid not in only:
+                waiting.append(rid)
+            elif rid in self.cache.requests:  # gone: finished before its safe point
+                keep = self.plan(rid)
+                if keep is not None:
+                    freed += self.cache.compact(rid, keep)  # counted in cache.counters
+        self.pending = waiting
+        return freed
