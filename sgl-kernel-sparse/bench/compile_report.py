@@ -6,6 +6,11 @@ replaced by an ahead-of-time compile (same signature, constexprs and 16-byte div
 specialization a real launch would use). Catches compile errors the interpreter cannot see.
 
     python sgl-kernel-sparse/bench/compile_report.py [--arch 90] [--json out.json]
+        [--groups core,quant]
+Kernel groups: ``core`` (decode, Quest, SnapKV, compaction: the default) and ``quant`` (KIVI and
+FP8 decode, ``triton_kivi.py`` / ``triton_fp8.py``); ``--groups core,quant`` compiles all.
+The default stays ``core``: test_sparse_kernels.py checks that exact set of kernel names
+(test_quant_kernels.py compiles ``--groups quant``).
 Exit status 1 if a kernel fails to compile or spills more than --max-spill bytes; 3 if this
 triton's internals differ from what the tool drives (written for triton 3.8).
 """
@@ -58,7 +63,10 @@ def _ptxas_info(ptx: str, arch: int) -> dict:
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def compile_all(arch: int = 90, dtypes=("fp16", "bf16", "fp32")) -> list[dict]:
+GROUPS = ("core", "quant")
+
+
+def compile_all(arch: int = 90, dtypes=("fp16", "bf16", "fp32"), groups=("core",)) -> list[dict]:
     report: list[dict] = []
     target = GPUTarget("cuda", arch, 32)
 
@@ -89,7 +97,8 @@ def compile_all(arch: int = 90, dtypes=("fp16", "bf16", "fp32")) -> list[dict]:
     saved = JITFunction.run
     JITFunction.run = aot_run
     try:
-        _exercise([DTYPES[d] for d in dtypes])
+        for group in groups:
+            EXERCISE[group]([DTYPES[d] for d in dtypes])
     finally:
         JITFunction.run = saved
     return report
@@ -121,6 +130,37 @@ def _exercise(dtypes) -> None:
         T.quest_page_scores(torch.zeros(b, hq, d, dtype=torch.float16), kmin, kmin, req + 10)
 
 
+def _exercise_quant(dtypes) -> None:
+    """KIVI (2 and 4 bits, 64 blocks of 32 + residual) and FP8 (per-head and per-tensor scales)
+    decode, with and without split-K; same Llama-3-8B-like layer."""
+    from sgl_kernel_sparse.triton_fp8 import fp8_decode_attention
+    from sgl_kernel_sparse.triton_kivi import kivi_decode_attention
+
+    b, hq, hkv, d, slots, group, n_blk = 4, 32, 8, 128, 4096, 32, 256
+    r2t = torch.zeros(b, 1024, dtype=torch.int32)
+    req = torch.arange(b, dtype=torch.int32)
+    table = torch.zeros(b, 64, dtype=torch.int32)
+    for bits in (2, 4):
+        codes = torch.zeros(n_blk, hkv, group, d * bits // 8, dtype=torch.uint8)
+        k_sm = torch.zeros(n_blk, hkv, d)
+        v_sm = torch.zeros(n_blk, hkv, group, d // group)
+        for dt in dtypes:
+            q = torch.zeros(b, hq, d, dtype=dt)
+            kc = torch.zeros(slots, hkv, d, dtype=dt)
+            for splits in (1, 4):
+                kivi_decode_attention(q, codes, k_sm, k_sm, codes, v_sm, v_sm, table, req, req,
+                                      kc, kc, r2t, req, bits, group, num_splits=splits)
+    k8 = torch.zeros(slots, hkv, d, dtype=torch.float8_e4m3fn)
+    for dt in dtypes:
+        q = torch.zeros(b, hq, d, dtype=dt)
+        for sc in (torch.ones(hkv), torch.ones(1)):
+            for splits in (1, 4):
+                fp8_decode_attention(q, k8, k8, sc, sc, r2t, req, req + 500, num_splits=splits)
+
+
+EXERCISE = {"core": _exercise, "quant": _exercise_quant}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="SM version (90 = H100/H200)")
@@ -128,10 +168,15 @@ def main() -> int:
     ap.add_argument("--max-spill", type=int, default=64,
                     help="fail above this many spill bytes (ptxas sometimes spills a few bytes "
                          "well below the register limit; harmless)")
+    ap.add_argument("--groups", default="core",
+                    help=f"comma list of kernel groups {','.join(GROUPS)} (default: core)")
     ap.add_argument("--json", help="also write the report here")
     args = ap.parse_args()
+    groups = args.groups.split(",")
+    if not set(groups) <= set(GROUPS):
+        ap.error(f"--groups: unknown {sorted(set(groups) - set(GROUPS))}")
     try:
-        report = compile_all(args.arch, args.dtypes.split(","))
+        report = compile_all(args.arch, args.dtypes.split(","), groups)
     except Exception as exc:  # a compile error: say which, fail
         print(f"compile failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

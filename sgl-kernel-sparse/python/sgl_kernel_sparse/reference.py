@@ -1,6 +1,7 @@
 """Plain-torch references: the one definition of every formula of the sparse hot paths (any
 device). The Triton kernels of this package are tested against them, sglang_sparse's methods,
-its /prune scoring and its CPU path call them; nothing else re-implements them. Index
+its /prune scoring and its CPU path call them; nothing else re-implements them (the quantized
+payloads, KIVI and FP8, are defined in the sibling module ``quant``). Index
 conventions, used everywhere:
 
 - *position*: logical token index inside one request, ``0 .. seq_len-1``;

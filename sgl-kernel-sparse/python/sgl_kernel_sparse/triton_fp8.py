@@ -1,0 +1,134 @@
+"""FP8 (e4m3) dense decode attention (flash-decoding split-K) over a token-major fp8 KV pool.
+
+Grid ``(B, Hq, S)``. Program (b, h, s) reads KV head ``kvh = h // GROUP`` at positions
+``[s*chunk, min((s+1)*chunk, seq_lens[b]))``, ``chunk = cdiv(seq_lens[b], S)`` rounded up to
+BLOCK_N (per request, on the device), slot ``req_to_token[req_rows[b], pos]``; rows are loaded as
+fp8 and converted to fp32 in registers. The per-head (or per-tensor) scales are applied in
+registers too, folded out of the inner loop: ``q . (k8 * ks) = (q * ks) . k8`` and
+``sum p (v8 * vs) = vs * sum p v8`` (equal up to fp32 rounding). Online softmax in fp32,
+base 2; split partials merged by ``triton_decode._decode_reduce_kernel``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .quant import FP8_DTYPE
+from .triton_common import check_device, check_rows, num_sms, pow2
+from .triton_decode import _decode_reduce_kernel
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _fp8_decode_kernel(
+    Q, K, V, K_SCALE, V_SCALE, REQ_TO_TOKEN, REQ_ROWS, SEQ_LENS, OUT, O_PART, LSE_PART,
+    qk_scale, s_qb, s_qh, s_ks, s_kh, s_vs, s_vh, s_ksc, s_vsc, s_rt, s_ob, s_oh,
+    GROUP: tl.constexpr, SPLIT: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    n_split = tl.num_programs(2)
+    kvh = h // GROUP
+    req = tl.load(REQ_ROWS + b).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    k_sc = tl.load(K_SCALE + kvh * s_ksc)
+    v_sc = tl.load(V_SCALE + kvh * s_vsc)
+    # base-2 logits: q * (softmax scale * log2 e) * the head's key scale
+    q = tl.load(Q + b * s_qb + h * s_qh + d, mask=dmask, other=0.0).to(tl.float32) * qk_scale * k_sc
+
+    seq_len = tl.load(SEQ_LENS + b).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(seq_len, n_split), BLOCK_N) * BLOCK_N
+    start = s * chunk
+    stop = tl.minimum(start + chunk, seq_len)
+    m_i = -float("inf")
+    l_i = 0.0
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, stop, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        ok = n < stop
+        slot = tl.load(REQ_TO_TOKEN + req * s_rt + n, mask=ok, other=0).to(tl.int64)
+        row_mask = ok[:, None] & dmask[None, :]
+        k = tl.load(K + slot[:, None] * s_ks + kvh * s_kh + d[None, :], mask=row_mask, other=0.0)
+        logit = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+        logit = tl.where(ok, logit, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(logit, axis=0))
+        m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet: avoid inf-inf
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(logit - m_ref)
+        v = tl.load(V + slot[:, None] * s_vs + kvh * s_vh + d[None, :], mask=row_mask, other=0.0)
+        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc * (v_sc / l_safe)  # nothing read (empty request or split): zeros
+    if SPLIT:
+        base = (b * tl.num_programs(1) + h) * n_split + s  # O_PART [B, Hq, S, D], LSE [B, Hq, S]
+        tl.store(O_PART + base * D + d, o, mask=dmask)
+        tl.store(LSE_PART + base, tl.where(l_i > 0, m_i + tl.log2(l_safe), -float("inf")))
+    else:
+        tl.store(OUT + b * s_ob + h * s_oh + d, o.to(OUT.dtype.element_ty), mask=dmask)
+
+
+def _scale_stride(sc, hkv, name):
+    if sc.dtype != torch.float32 or sc.numel() not in (1, hkv):
+        raise ValueError(f"{name}: fp32 with 1 or Hkv={hkv} entries expected, got "
+                         f"{sc.dtype} {tuple(sc.shape)}")
+    return 0 if sc.numel() == 1 else sc.reshape(-1).stride(0)
+
+
+def fp8_decode_attention(q, k8, v8, k_scale, v_scale, req_to_token, req_rows, seq_lens,
+                         scale=None, num_splits=None, block_n=None):
+    """Triton version of ``quant.fp8_decode_attention`` (``num_splits``: default ~4 programs
+    per SM, each split >= 2 tiles of the widest request ``req_to_token.shape[1]``, <= 64).
+    No host sync: CUDA-graph safe."""
+    b, hq, d = q.shape
+    hkv = k8.shape[1]
+    if hq % hkv:
+        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
+    if k8.dtype != FP8_DTYPE or v8.dtype != FP8_DTYPE:
+        raise ValueError(f"k8/v8 must be {FP8_DTYPE}, got {k8.dtype} / {v8.dtype}")
+    if k8.shape[1:] != (hkv, d) or v8.shape[1:] != (hkv, d):
+        raise ValueError(f"pools {tuple(k8.shape)} / {tuple(v8.shape)} vs [slots, {hkv}, {d}]")
+    s_ksc = _scale_stride(k_scale, hkv, "k_scale")
+    s_vsc = _scale_stride(v_scale, hkv, "v_scale")
+    check_rows(q, k8, v8)
+    check_device(k_scale, v_scale, req_to_token, req_rows, seq_lens)
+    if req_to_token.stride(1) != 1:
+        raise ValueError("req_to_token rows must be contiguous")
+    out = torch.empty_like(q)
+    if b == 0 or hq == 0:
+        return out
+    block_d = pow2(d, 16)
+    if block_n is None:
+        block_n = 32 if block_d <= 128 else 16
+    if num_splits is None:
+        want = triton.cdiv(4 * num_sms(q.device), b * hq)
+        num_splits = min(want, triton.cdiv(req_to_token.shape[1], 2 * block_n), 64)
+    splits = max(1, int(num_splits))
+    split = splits > 1
+    if split:
+        o_part = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
+    else:
+        o_part = lse_part = out  # unused
+    scale = (1.0 / d**0.5) if scale is None else float(scale)
+    _fp8_decode_kernel[(b, hq, splits)](
+        q, k8, v8, k_scale, v_scale, req_to_token, req_rows, seq_lens, out, o_part, lse_part,
+        scale * LOG2E, q.stride(0), q.stride(1), k8.stride(0), k8.stride(1),
+        v8.stride(0), v8.stride(1), s_ksc, s_vsc, req_to_token.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=hq // hkv, SPLIT=split, D=d, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4,
+    )
+    if split:
+        _decode_reduce_kernel[(b, hq)](
+            o_part, lse_part, out, splits, out.stride(0), out.stride(1),
+            D=d, BLOCK_D=block_d, BLOCK_S=pow2(splits), num_warps=4,
+        )
+    return out

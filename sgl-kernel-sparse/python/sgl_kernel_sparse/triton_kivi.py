@@ -1,0 +1,190 @@
+"""KIVI decode attention (flash-decoding split-K): quantized history blocks dequantized in
+registers, then the full-precision residual rows. Layout and formulas: ``quant.py``.
+
+Grid ``(B, Hq, S)``. Program (b, h, s) reads KV head ``h // GROUP`` and walks
+  1. its share of request b's quantized blocks: ``[s*cb, min((s+1)*cb, nb))`` with
+     ``nb = n_blocks[b]``, ``cb = cdiv(nb, S)``; block j is ``blk = block_table[req_rows[b], j]``,
+     one ``[G, D]`` tile per block: byte ``c // (8/BITS)`` of ``k_codes[blk, kvh, t]`` shifted by
+     ``(c % (8/BITS))*BITS`` and masked -> code; ``key = code * k_scale[blk, kvh, c] +
+     k_min[blk, kvh, c]``, ``value = code * v_scale[blk, kvh, t, c // G] + v_min[...]`` (the
+     value tile viewed as ``[G, D/G, G]`` so each (token, group) scale is loaded once; G must be
+     a power of 2 here; G = 32: 96 registers, no spills on sm_90 for D = 128);
+  2. its share of the residual rows: ``[s*rc, min((s+1)*rc, rl))`` with ``rl = res_len[b]``,
+     ``rc = cdiv(rl, S)`` rounded up to BLOCK_N, row j at slot ``req_to_token[req_rows[b], j]``.
+The shares are computed per request on the device (no host sync, no dependence on the longest
+request). Online softmax in fp32, base 2; with S > 1 each program writes its normalized
+partial output and log-sum-exp, merged by ``triton_decode._decode_reduce_kernel``. No
+full-precision copy of the history is ever materialized.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .quant import KIVI_GROUP, check_kivi_layout
+from .triton_common import check_device, check_rows, num_sms, pow2
+from .triton_decode import _decode_reduce_kernel
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _unpack_tile(CODES, base, t, d, mask, s_t, BITS: tl.constexpr):
+    """fp32 codes ``[len(t), len(d)]`` of the packed rows ``CODES + base + t*s_t``: channel c is
+    bits ``(c % (8//BITS))*BITS ..`` of byte ``c // (8//BITS)`` (little end first)."""
+    byte = tl.load(CODES + base + t[:, None] * s_t + (d // (8 // BITS))[None, :], mask=mask, other=0)
+    shift = (d % (8 // BITS)) * BITS
+    return ((byte.to(tl.int32) >> shift[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+
+
+@triton.jit
+def _kivi_decode_kernel(
+    Q, KC, KS, KM, VC, VS, VM, BLOCK_TABLE, REQ_ROWS, N_BLOCKS,
+    K, V, REQ_TO_TOKEN, RES_LEN, OUT, O_PART, LSE_PART, qk_scale,
+    s_qb, s_qh,
+    s_kcb, s_kch, s_kct, s_ksb, s_ksh, s_kmb, s_kmh,
+    s_vcb, s_vch, s_vct, s_vsb, s_vsh, s_vst, s_vmb, s_vmh, s_vmt,
+    s_bt, s_ks, s_kh, s_vs, s_vh, s_rt, s_ob, s_oh,
+    GROUP: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, SPLIT: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    n_split = tl.num_programs(2)
+    kvh = h // GROUP
+    req = tl.load(REQ_ROWS + b).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    # qk_scale = softmax scale * log2(e): logits are in base 2, exp2 below
+    q = tl.load(Q + b * s_qb + h * s_qh + d, mask=dmask, other=0.0).to(tl.float32) * qk_scale
+    m_i = -float("inf")
+    l_i = 0.0
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+
+    # 1. quantized blocks, one [G, BLOCK_D] tile each (G is a power of 2 dividing D)
+    nb = tl.load(N_BLOCKS + b).to(tl.int32)
+    cb = tl.cdiv(nb, n_split)
+    j0 = s * cb
+    j1 = tl.minimum(j0 + cb, nb)
+    t = tl.arange(0, G)  # token in block
+    tile = (t[:, None] < G) & dmask[None, :]
+    cg = tl.arange(0, BLOCK_D // G)  # value channel group
+    gmask = (t[:, None] < G) & (cg[None, :] < D // G)
+    for j in range(j0, j1):
+        blk = tl.load(BLOCK_TABLE + req * s_bt + j).to(tl.int64)
+        ks = tl.load(KS + blk * s_ksb + kvh * s_ksh + d, mask=dmask, other=0.0)
+        km = tl.load(KM + blk * s_kmb + kvh * s_kmh + d, mask=dmask, other=0.0)
+        k = _unpack_tile(KC, blk * s_kcb + kvh * s_kch, t, d, tile, s_kct, BITS)
+        k = k * ks[None, :] + km[None, :]  # dequantized keys [G, BLOCK_D], registers only
+        logit = tl.sum(k * q[None, :], axis=1)
+        m_new = tl.maximum(m_i, tl.max(logit, axis=0))  # every token of a block is valid
+        m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(logit - m_ref)
+        # values: one (scale, min) per token and group of G channels, broadcast over the group
+        # by viewing the tile as [G tokens, BLOCK_D // G groups, G channels]
+        vs = tl.load(VS + blk * s_vsb + kvh * s_vsh + t[:, None] * s_vst + cg[None, :],
+                     mask=gmask, other=0.0)
+        vm = tl.load(VM + blk * s_vmb + kvh * s_vmh + t[:, None] * s_vmt + cg[None, :],
+                     mask=gmask, other=0.0)
+        v = _unpack_tile(VC, blk * s_vcb + kvh * s_vch, t, d, tile, s_vct, BITS)
+        v = tl.reshape(v, (G, BLOCK_D // G, G)) * vs[:, :, None] + vm[:, :, None]
+        v = tl.reshape(v, (G, BLOCK_D))
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+
+    # 2. full-precision residual rows of the token-major pool
+    rl = tl.load(RES_LEN + b).to(tl.int32)
+    rc = tl.cdiv(tl.cdiv(rl, n_split), BLOCK_N) * BLOCK_N
+    r0 = s * rc
+    r1 = tl.minimum(r0 + rc, rl)
+    for n0 in range(r0, r1, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        ok = n < r1
+        slot = tl.load(REQ_TO_TOKEN + req * s_rt + n, mask=ok, other=0).to(tl.int64)
+        row_mask = ok[:, None] & dmask[None, :]
+        k = tl.load(K + slot[:, None] * s_ks + kvh * s_kh + d[None, :], mask=row_mask, other=0.0)
+        logit = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+        logit = tl.where(ok, logit, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(logit, axis=0))
+        m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(logit - m_ref)
+        v = tl.load(V + slot[:, None] * s_vs + kvh * s_vh + d[None, :], mask=row_mask, other=0.0)
+        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe  # nothing read (empty request or split): zeros
+    if SPLIT:
+        base = (b * tl.num_programs(1) + h) * n_split + s  # O_PART [B, Hq, S, D], LSE [B, Hq, S]
+        tl.store(O_PART + base * D + d, o, mask=dmask)
+        tl.store(LSE_PART + base, tl.where(l_i > 0, m_i + tl.log2(l_safe), -float("inf")))
+    else:
+        tl.store(OUT + b * s_ob + h * s_oh + d, o.to(OUT.dtype.element_ty), mask=dmask)
+
+
+def plan_kivi_splits(programs, max_blocks, device, num_splits=None):
+    """Splits S: enough for ~4 programs per SM, each split at least two blocks of the longest
+    possible request (``block_table.shape[1]``), at most 64; 1 when there are no blocks."""
+    if num_splits is not None:
+        return max(1, int(num_splits))
+    want = triton.cdiv(4 * num_sms(device), max(programs, 1))
+    return max(1, min(want, triton.cdiv(max_blocks, 2), 64))
+
+
+def kivi_decode_attention(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, block_table,
+                          req_rows, n_blocks, k_cache, v_cache, req_to_token, res_len, bits,
+                          group=KIVI_GROUP, scale=None, num_splits=None, block_n=None):
+    """Triton version of ``quant.kivi_decode_attention`` (same arguments; ``num_splits``,
+    ``block_n`` = residual tile). No host sync: CUDA-graph safe."""
+    bits, group = int(bits), int(group)
+    hkv, d = check_kivi_layout(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, k_cache,
+                               v_cache, bits, group)
+    b, hq, _ = q.shape
+    if group & (group - 1):
+        raise ValueError(f"the Triton kernel needs a power-of-2 group, got {group}")
+    check_rows(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, k_cache, v_cache)
+    check_device(block_table, req_rows, n_blocks, req_to_token, res_len)
+    if req_to_token.stride(1) != 1 or block_table.stride(1) != 1:
+        raise ValueError("req_to_token and block_table rows must be contiguous")
+    out = torch.empty_like(q)
+    if b == 0 or hq == 0:
+        return out
+    block_d = pow2(d, 16)
+    if block_n is None:  # 32 x 128 tiles, as the sparse decode kernel
+        block_n = 32 if block_d <= 128 else 16
+    splits = plan_kivi_splits(b * hq, block_table.shape[1], q.device, num_splits)
+    split = splits > 1
+    if split:
+        o_part = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
+    else:
+        o_part = lse_part = out  # unused
+    scale = (1.0 / d**0.5) if scale is None else float(scale)
+    _kivi_decode_kernel[(b, hq, splits)](
+        q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, block_table, req_rows, n_blocks,
+        k_cache, v_cache, req_to_token, res_len, out, o_part, lse_part, scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
+        k_scale.stride(0), k_scale.stride(1), k_min.stride(0), k_min.stride(1),
+        v_codes.stride(0), v_codes.stride(1), v_codes.stride(2),
+        v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
+        v_min.stride(0), v_min.stride(1), v_min.stride(2),
+        block_table.stride(0), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=hq // hkv, G=group, BITS=bits, SPLIT=split,
+        D=d, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4,
+    )
+    if split:
+        _decode_reduce_kernel[(b, hq)](
+            o_part, lse_part, out, splits, out.stride(0), out.stride(1),
+            D=d, BLOCK_D=block_d, BLOCK_S=pow2(splits), num_warps=4,
+        )
+    return out
