@@ -73,3 +73,127 @@ def test_streamingllm_oracle_caps_decode_growth():
     assert o.decode_reserve(1000, 10_000) == 0  # the prompt's own rows cover the whole decode
     assert o.rows_at(10, 50) == 60 and o.rows_at(10, 500) == 120
     assert o.decode_growth(1000, 10_000) == 16
+
+
+# ------------------------------------------------------------------ PyramidKV
+
+
+def _pyramid_by_formula(L, C, w, layers, beta=20):
+    """PyramidKV's budgets as its paper's code computes them (methods.md), written out again."""
+    if L <= C:
+        return [L] * layers
+    if L < 2 * (C - w):
+        return [C] * layers
+    mn = (C - w) // beta
+    mx = 2 * (C - w) - mn
+    if mx > L - w:
+        mx = L - w
+        mn = 2 * (C - w) - mx
+    step = (mx - mn) // (layers - 1)
+    return [mx - i * step + w for i in range(layers)]
+
+
+@pytest.mark.parametrize("L,C,w,layers", [(100, 24, 8, 3), (1000, 64, 8, 30), (120, 64, 8, 30),
+                                          (60, 64, 8, 3), (130, 40, 4, 5), (33, 24, 8, 2)])
+def test_pyramid_budgets_follow_the_formula(L, C, w, layers):
+    from sglang_sparse.methods.pyramidkv import PyramidKVConfig, layer_budgets
+
+    got = layer_budgets(PyramidKVConfig(budget=C, window=w), L, layers)
+    assert got == _pyramid_by_formula(L, C, w, layers)
+    assert all(b <= L for b in got) and got == sorted(got, reverse=True)
+
+
+@pytest.mark.parametrize("chunk", [1000, 13])
+def test_pyramidkv_keeps_reference_indices_per_layer_and_frees_each_layers_drops(chunk):
+    from sgl_kernel_sparse import reference
+
+    from sglang_sparse.kernels.decode import decode_over_views
+    import single_request as one
+
+    length, budget, window = 100, 24, 8
+    q, k, v = qkv(length, seed=11)
+    eng = ToyEngine("pyramidkv", {"budget": budget, "window": window, "kernel": 5})
+    free0 = eng.store.free_count()
+    freed = eng.prefill("a", 0, q, k, v, chunk)
+    budgets = _pyramid_by_formula(length, budget, window, LAYERS)
+    engine_rows = -(-sum(budgets) // LAYERS)
+    assert freed == length - engine_rows  # every layer's own drops, summed, in whole slots
+    assert eng.store.free_count() == free0 - engine_rows
+    assert len(set(budgets)) == LAYERS  # really per layer
+    ret = eng.ctl.cache.retained("a")
+    assert ret.per_layer and (ret.n_rows, ret.logical_len) == (engine_rows, length)
+    for layer in range(LAYERS):
+        want = reference.snapkv_keep_indices(q[layer][-window:], k[layer], budgets[layer], window, 5)
+        assert torch.equal(ret.layer_positions(layer), want)
+        for h in range(HKV):  # row i of head h in layer l holds want[h, i], wherever its cell is
+            torch.testing.assert_close(eng.ctl.cache.keys("a", layer)[:, h], k[layer][want[h], h])
+            torch.testing.assert_close(eng.ctl.cache.values("a", layer)[:, h], v[layer][want[h], h])
+    # every kept cell lies in the request's slots, and no cell holds two rows
+    cells = torch.cat([eng.ctl.cache.layer_cells("a", layer) for layer in range(LAYERS)])
+    assert cells.unique().numel() == cells.numel() == sum(budgets)
+    slots = eng.store.row_slots(0, 0, engine_rows)
+    assert set((cells % eng.store.k.shape[1]).tolist()) <= set(slots.tolist())
+
+    # decode: attention in each layer reads exactly that layer's kept rows + the new token
+    dq, dk, dv = qkv(1, seed=12)
+    eng.views.clear()
+    eng.decode("a", 0, dq, dk, dv)
+    ret = eng.ctl.cache.retained("a")
+    assert (ret.n_rows, ret.logical_len) == (engine_rows + 1, length + 1)
+    flat_k, flat_v = eng.store.flat_kv()
+    for layer, view in eng.views:
+        assert type(view).__name__ == "LayerRowsView"
+        c = view.cells[0]
+        assert c.numel() == budgets[layer] + 1
+        full_k, full_v = torch.cat([k[layer], dk[layer]]), torch.cat([v[layer], dv[layer]])
+        mask = torch.zeros(q[0].shape[1], length + 1, dtype=torch.bool)
+        pos = ret.layer_positions(layer)
+        for h in range(mask.shape[0]):
+            mask[h, pos[h // (mask.shape[0] // HKV)]] = True
+        want = one.masked_decode_attention(dq[layer][0], full_k, full_v, mask)
+        n = c.numel()
+        got = decode_over_views(dq[layer][0][None], flat_k, flat_v, c[None], [0],
+                                [torch.arange(n).expand(mask.shape[0], n)],
+                                [torch.ones(mask.shape[0], n, dtype=torch.bool)], [n], 1 / k[0].shape[-1] ** 0.5)[0]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    eng.finish("a", 0)
+    assert eng.store.free_count() == free0
+
+
+def test_pyramidkv_frees_about_what_snapkv_frees_at_the_same_average_budget():
+    q, k, v = qkv(400, seed=13)
+    freed = {}
+    for method in ("snapkv", "pyramidkv"):
+        eng = ToyEngine(method, {"budget": 40, "window": 4, "kernel": 1})
+        freed[method] = eng.prefill("a", 0, q, k, v, chunk=64)
+    assert freed["pyramidkv"] >= 0.9 * freed["snapkv"], freed
+
+
+def test_a_chunk_after_per_layer_rows_attends_exactly_the_kept_rows():
+    """A resumed PyramidKV chain's next chunk: the prefill view names each layer's kept cells,
+    and attention over them + the chunk (causal) equals attention over the full sequence masked
+    to the kept positions."""
+    from sglang_sparse.core.events import RequestSlice, StepMode
+    from sglang_sparse.kernels.prefill import extend_over_cells
+
+    length, extra = 100, 6
+    q, k, v = qkv(length + extra, seed=14)
+    eng = ToyEngine("pyramidkv", {"budget": 24, "window": 8, "kernel": 5})
+    eng.prefill("a", 0, [x[:length] for x in q], [x[:length] for x in k], [x[:length] for x in v], 1000)
+    ret = eng.ctl.cache.retained("a")
+    kept = [ret.layer_positions(layer) for layer in range(LAYERS)]
+    s = RequestSlice("a", 0, length, length + extra, ret.n_rows, length + extra)
+    eng.views.clear()
+    eng.run_step(StepMode.PREFILL, [s], [x[length:] for x in q], [x[length:] for x in k], [x[length:] for x in v])
+    flat_k, flat_v = eng.store.flat_kv()
+    hq = q[0].shape[1]
+    for layer, view in eng.views:
+        cells = view.cells[0]
+        assert cells.numel() == kept[layer].shape[1]
+        got = extend_over_cells(q[layer][length:], k[layer][length:], v[layer][length:], flat_k, flat_v,
+                                cells, 1 / k[0].shape[-1] ** 0.5)
+        for i in range(extra):  # chunk token i: the kept rows of its KV head, then chunk tokens <= i
+            for h in range(hq):
+                pos = torch.cat([kept[layer][h // (hq // HKV)], torch.arange(length, length + i + 1)])
+                w = torch.softmax((k[layer][pos, h // (hq // HKV)] @ q[layer][length + i, h]) / k[0].shape[-1] ** 0.5, 0)
+                torch.testing.assert_close(got[i, h], w @ v[layer][pos, h // (hq // HKV)], rtol=1e-5, atol=1e-5)

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from sgl_kernel_sparse import compact_kv
+
 from sglang_sparse.core.kv_store import KVStore
 from sglang_sparse.core.retained import RetainedMap
 
@@ -63,10 +65,13 @@ class CacheManager:
         self.requests.pop(rid, None)
 
     # -- physical operations -----------------------------------------------------------------
-    def compact(self, rid: str, keep: torch.Tensor) -> int:
+    def compact(self, rid: str, keep) -> int:
         """Keep the logical positions ``keep`` (``[layers, kv_heads, B]``, ascending per head)
         and release every other row. Row i of layer l / head h then holds ``keep[l, h, i]``.
-        Returns the number of slots freed (``n_rows - B``)."""
+        Returns the number of slots freed (``n_rows - B``). A list of ``[kv_heads, B_l]``
+        (one budget per layer) compacts per layer (``compact_layers``)."""
+        if isinstance(keep, (list, tuple)):
+            return self.compact_layers(rid, list(keep))
         state = self.requests[rid]
         ret = state.retained
         layers, _, budget = keep.shape
@@ -86,6 +91,53 @@ class CacheManager:
         self.counters["slots_released"] += len(freed)
         return len(freed)
 
+    def compact_layers(self, rid: str, keep: list[torch.Tensor]) -> int:
+        """Per-layer budgets: layer l keeps the positions ``keep[l]`` (``[kv_heads, B_l]``,
+        ascending per head). The kept entries of all layers (``T = sum_l B_l`` cells) are packed
+        into the cells of the request's first ``K = ceil(T / layers)`` slots, each layer in its
+        own part of those slots first, the overflow of large layers in the cells that small
+        layers leave unused; slots ``[K, n_rows)`` are freed whole. Memory freed is what every
+        layer dropped, summed (up to one slot of rounding). Returns slots freed."""
+        state = self.requests[rid]
+        ret, store = state.retained, self.store
+        layers = store.num_layers
+        budgets = [int(k.shape[1]) for k in keep]
+        engine_rows = -(-sum(budgets) // layers)
+        if engine_rows >= ret.n_rows:
+            return 0
+        slots = self._resident_slots(state)
+        src = torch.cat([self.layer_cells(rid, layer)[ret.layer_rows_of(layer, keep[layer])]
+                         for layer in range(layers)], dim=1)  # [kv_heads, T] source cells
+        kept_slots = slots[:engine_rows]
+        own = [store.cells(layer, kept_slots[: min(b, engine_rows)]) for layer, b in enumerate(budgets)]
+        spare = torch.cat([store.cells(layer, kept_slots[b:]) for layer, b in enumerate(budgets)
+                           if b < engine_rows] or [slots.new_zeros(0)])
+        dst, used = [], 0
+        for layer, b in enumerate(budgets):  # overflow of layer l: the next spare cells
+            extra = max(0, b - engine_rows)
+            dst.append(torch.cat([own[layer], spare[used: used + extra]]))
+            used += extra
+        flat_k, flat_v = store.flat_kv()
+        # one move over every layer: all sources are read before any destination is written
+        compact_kv(flat_k, flat_v, src.to(flat_k.device), torch.cat(dst).to(flat_k.device))
+        freed = slots[engine_rows:].clone()
+        ret.keep_layers(keep, [d.cpu() for d in dst], engine_rows)
+        store.truncate_rows(state.req_row, engine_rows)
+        store.free_slots(freed)
+        self.counters["compactions"] += 1
+        self.counters["slots_released"] += len(freed)
+        return len(freed)
+
+    def layer_cells(self, rid: str, layer: int) -> torch.Tensor:
+        """Flat cells of a request's rows in ``layer``, in row order (``layer_len`` of them)."""
+        state = self.requests[rid]
+        ret = state.retained
+        slots = self._resident_slots(state)
+        if not ret.per_layer:
+            return self.store.cells(layer, slots)
+        tail = self.store.cells(layer, slots[ret.compacted_rows:])
+        return torch.cat([ret.cells[layer].to(tail.device), tail])
+
     # -- queries -----------------------------------------------------------------------------
     def retained(self, rid: str) -> RetainedMap:
         return self.requests[rid].retained
@@ -100,11 +152,15 @@ class CacheManager:
         return self._resident_slots(self.requests[rid])
 
     def keys(self, rid: str, layer: int) -> torch.Tensor:
-        """Resident keys of a request in row order: ``[n_rows, kv_heads, d]``."""
+        """Resident keys of a request in row order: ``[layer_len, kv_heads, d]``."""
+        if self.requests[rid].retained.per_layer:
+            return self.store.flat_kv()[0][self.layer_cells(rid, layer)]
         return self.store.k_buffer(layer)[self._resident_slots(self.requests[rid])]
 
     def values(self, rid: str, layer: int) -> torch.Tensor:
-        """Resident values of a request in row order: ``[n_rows, kv_heads, d]``."""
+        """Resident values of a request in row order: ``[layer_len, kv_heads, d]``."""
+        if self.requests[rid].retained.per_layer:
+            return self.store.flat_kv()[1][self.layer_cells(rid, layer)]
         return self.store.v_buffer(layer)[self._resident_slots(self.requests[rid])]
 
     def totals(self) -> dict[str, int]:

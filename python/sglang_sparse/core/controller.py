@@ -11,7 +11,7 @@ import torch
 
 from sglang_sparse.core.events import DecodeBatch, LayerInput, StepInfo, StepMode
 from sglang_sparse.core.runtime import SparseMethodRuntime
-from sglang_sparse.core.views import DecodeView, PagedDecodeView
+from sglang_sparse.core.views import DecodeView, LayerRowsView, PagedDecodeView
 
 
 class SparseController:
@@ -51,14 +51,35 @@ class SparseController:
         self.steps += 1
         self.runtime.prepare_step(step)
 
-    def attention_view(self, layer: LayerInput) -> DecodeView | None:
+    def attention_view(self, layer: LayerInput) -> DecodeView | LayerRowsView | None:
         """Called by the attention backend in every layer, after this step's KV is written."""
         self.runtime.before_attention(layer)
         if any(r.is_prefill for r in layer.step.requests):
             self.runtime.on_prefill_chunk(layer)
+        rows = self.layer_rows(layer)
+        if rows is not None:
+            return rows
         if layer.step.mode is StepMode.DECODE:
             return self.runtime.build_decode_selection(layer)
         return None
+
+    def layer_rows(self, layer: LayerInput) -> LayerRowsView | None:
+        """Where the step's requests' rows of this layer live, when any request has a per-layer
+        map (its rows are not the engine's slot table); None otherwise."""
+        reqs = self.cache.requests
+        step = layer.step
+        if not any(r.rid in reqs and reqs[r.rid].retained.per_layer for r in step.requests):
+            return None
+        decode = step.mode is StepMode.DECODE
+        cells = []
+        for r in step.requests:
+            per_layer = r.rid in reqs and reqs[r.rid].retained.per_layer
+            if not (decode or per_layer):
+                cells.append(None)
+                continue
+            c = self.cache.layer_cells(r.rid, layer.layer_id)
+            cells.append(c if decode else c[: c.numel() - r.num_tokens])
+        return LayerRowsView(tuple(cells))
 
     def decode_view_tensors(self, batch: DecodeBatch) -> PagedDecodeView | None:
         """Decode layers of ``graph_decode`` methods (also while a CUDA graph is captured). The

@@ -5,6 +5,12 @@ A request owns a row of a slot table: ``row_slots(req_row, start, end)`` are the
 rows ``[start, end)``. The SGLang adapter implements ``KVStore`` over SGLang's KV pool,
 ``req_to_token`` and allocator; ``TensorKVStore`` is a plain-torch implementation with the same
 semantics for tests and engine-free use.
+
+Flat cells (methods with per-layer rows, ``RetainedMap`` per-layer form): a store may keep every
+layer's K in one tensor, ``flat_kv()[0]`` ``[num_layers * slots_per_layer, H_kv, d]``, with layer
+l's buffer the rows ``[l * slots_per_layer, (l + 1) * slots_per_layer)``. A *cell* is one row of
+it: ``cell(layer, slot) = layer * slots_per_layer + slot``. A layer's kept rows may then live in
+cells of another layer's part, which is how per-layer budgets free whole slots (docs/kv_payload.md).
 """
 
 from __future__ import annotations
@@ -40,6 +46,13 @@ class KVStore(Protocol):
 
     def bytes_per_slot(self) -> int:
         """Bytes one slot takes in the store's representation (K and V of every layer)."""
+
+    def flat_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every layer as ``[num_layers * slots_per_layer, H_kv, d]`` views (stores
+        built for per-layer rows; others raise)."""
+
+    def cells(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """Flat cells of ``slots`` in ``layer``."""
 
 
 class TensorKVStore:
@@ -98,6 +111,12 @@ class TensorKVStore:
 
     def move_kv(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         compact_kv(self.k[layer], self.v[layer], src, dst)
+
+    def flat_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k.view(-1, *self.k.shape[2:]), self.v.view(-1, *self.v.shape[2:])
+
+    def cells(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        return layer * self.k.shape[1] + slots.to(torch.int64)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer, slots] = k.to(self.k.dtype)

@@ -9,6 +9,19 @@
 ```
 
 Before any eviction the map is the identity (``positions is None``): row i holds position i.
+
+Per-layer form (PyramidKV and other per-layer or global budgets, docs/kv_payload.md): after a
+per-layer compaction layer l keeps its own ``B_l`` rows, and the engine's rows ``[0, K)`` are only
+the slots whose cells hold them (``K = ceil(sum_l B_l / num_layers)``):
+
+```
+ layer l, row i < B_l      -> position layer_kept[l][h, i], stored in flat cell cells[l][i]
+ layer l, row B_l + t      -> position logical_len - tail + t, in the cell of engine row K + t
+ n_rows = K + tail         (the engine's rows: what SGLang allocates and frees)
+ layer_len(l) = B_l + tail (what attention in layer l reads)
+```
+A flat cell is ``layer * slots_per_layer + slot`` of the store's one K (and V) tensor over all
+layers, so a layer's rows may live in another layer's part of the pool (``kv_store``).
 """
 
 from __future__ import annotations
@@ -29,6 +42,11 @@ class RetainedMap:
     # since, in order, and hold logical positions [logical_len - (n_rows - k), logical_len) in
     # every layer and head; they are not stored, so a decode step costs O(1), not O(n_rows).
     kept: torch.Tensor | None = field(default=None, repr=False)
+    # Per-layer form (see the module docstring): kept positions [kv_heads, B_l] and their flat
+    # cells [B_l] per layer, and K, the engine rows of the compacted region. None: uniform form.
+    layer_kept: list[torch.Tensor] | None = field(default=None, repr=False)
+    cells: list[torch.Tensor] | None = field(default=None, repr=False)
+    compacted_rows: int = 0
 
     @property
     def offset(self) -> int:
@@ -39,9 +57,34 @@ class RetainedMap:
         return self.kept is None
 
     @property
+    def per_layer(self) -> bool:
+        return self.layer_kept is not None
+
+    @property
+    def tail(self) -> int:
+        """Rows appended since the last per-layer compaction (identity in every layer)."""
+        return self.n_rows - self.compacted_rows
+
+    def layer_len(self, layer: int) -> int:
+        """Rows attention reads in ``layer``."""
+        if self.layer_kept is None:
+            return self.n_rows
+        return self.layer_kept[layer].shape[1] + self.tail
+
+    def layer_positions(self, layer: int) -> torch.Tensor:
+        """``[kv_heads, layer_len(layer)]``: the logical position of every row of one layer."""
+        if self.layer_kept is None:
+            return self.all_positions()[layer]
+        new = torch.arange(self.logical_len - self.tail, self.logical_len, dtype=torch.int64)
+        return torch.cat([self.layer_kept[layer], new.expand(self.kv_heads, self.tail)], dim=1)
+
+    @property
     def positions(self) -> torch.Tensor | None:
         """``[num_layers, kv_heads, n_rows]``: the logical position held by every row (None
-        while identity). Built on demand."""
+        while identity). Built on demand. Per-layer maps have no common shape: use
+        ``layer_positions``."""
+        if self.layer_kept is not None:
+            raise ValueError("a per-layer retained map has one row count per layer: use layer_positions")
         if self.kept is None:
             return None
         tail = self.n_rows - self.kept.shape[2]
@@ -52,6 +95,16 @@ class RetainedMap:
         """n new tokens got KV in new rows (prefill chunk or decode): logical and rows grow."""
         self.logical_len += n
         self.n_rows += n
+
+    def layer_rows_of(self, layer: int, logical: torch.Tensor) -> torch.Tensor:
+        """Rows of ``layer`` holding the positions ``[kv_heads, k]`` (must be resident)."""
+        if self.kept is None and self.layer_kept is None:
+            return logical.clone()
+        positions = self.layer_positions(layer)
+        rows = torch.searchsorted(positions, logical)
+        if bool((positions.gather(1, rows.clamp(max=positions.shape[1] - 1)) != logical).any()):
+            raise KeyError("a requested logical position has no KV (evicted or not computed)")
+        return rows
 
     def rows_of(self, logical: torch.Tensor) -> torch.Tensor:
         """Rows holding the given logical positions ``[num_layers, kv_heads, k]`` (must be
@@ -72,5 +125,15 @@ class RetainedMap:
 
     def keep(self, logical: torch.Tensor) -> None:
         """After compaction: rows ``[0, k)`` hold ``logical`` (``[layers, heads, k]``, ascending)."""
+        if self.layer_kept is not None:
+            raise ValueError("a per-layer retained map is compacted per layer (keep_layers)")
         self.kept = logical.clone()
         self.n_rows = logical.shape[2]
+
+    def keep_layers(self, logical: list[torch.Tensor], cells: list[torch.Tensor], engine_rows: int) -> None:
+        """After a per-layer compaction: layer l holds ``logical[l]`` (``[heads, B_l]``) in flat
+        cells ``cells[l]``, all inside the engine's first ``engine_rows`` rows."""
+        self.kept = None
+        self.layer_kept = [x.clone() for x in logical]
+        self.cells = cells
+        self.compacted_rows = self.n_rows = engine_rows

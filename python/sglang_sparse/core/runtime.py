@@ -50,12 +50,13 @@ class SparseMethodRuntime:
     changes_attention = True  # False: attention may run without the sparse backend (pass-through)
     evicts_kv = False  # True: releases KV slots during a request (needs physical eviction support)
     graph_decode = False  # True: decode layers go through decode_view_tensors (CUDA-graph safe)
+    per_layer_rows = False  # True: compacts per layer (flat-cell store, LayerRowsView attention)
 
     @classmethod
     def has_layer_hooks(cls) -> bool:
         """Whether any per-layer hook is overridden. Without one (dense) the adapter may skip the
         per-layer calls (defaults are no-ops) and keep the engine's fast paths (CUDA graphs)."""
-        return any(getattr(cls, h) is not getattr(SparseMethodRuntime, h) for h in LAYER_HOOKS)
+        return cls.per_layer_rows or any(getattr(cls, h) is not getattr(SparseMethodRuntime, h) for h in LAYER_HOOKS)
 
     @classmethod
     def decode_needs_python(cls) -> bool:
@@ -64,6 +65,8 @@ class SparseMethodRuntime:
         ``graph_decode`` methods."""
         if cls.graph_decode:
             return False
+        if cls.per_layer_rows:  # attention reads per-layer row tables (controller.layer_rows)
+            return True
         return any(getattr(cls, h) is not getattr(SparseMethodRuntime, h) for h in DECODE_LAYER_HOOKS)
 
     @staticmethod

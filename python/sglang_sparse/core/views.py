@@ -47,3 +47,14 @@ class PrefillView:
     plus itself causally."""
 
     row_limit: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LayerRowsView:
+    """Per-layer row tables (``RetainedMap`` per-layer form): where each request's rows of one
+    layer live. ``cells[i]`` are flat cells of the store (``KVStore.flat_kv``) in row order:
+    for a decode step every row attention reads (this token's included); for a prefill step the
+    rows *before* the chunk, which then attends them plus itself causally; None where the
+    engine's own slot table is right (a request without a per-layer map, in prefill)."""
+
+    cells: tuple[torch.Tensor | None, ...]

@@ -14,7 +14,8 @@ in, the condition, and why. Kinds:
 
 Conditions: ``cpu`` (CPU serving, even for plain ``sglang.launch_server``: SGLang 0.5.23 needs it
 there), ``active`` (a server started by ``sglang_sparse.launch_server``), ``evicting`` (its
-method evicts KV), ``chain_cache`` (Chain Cache on), ``check_integrity``
+method evicts KV), ``per_layer_rows`` (its method compacts per layer: one flat KV allocation),
+``chain_cache`` (Chain Cache on), ``check_integrity``
 (``SGLANG_SPARSE_CHECK_INTEGRITY=1``). Every entry was checked against ``SGLANG_VERSION``.
 ``GET /sparse/info`` lists what each process applied.
 """
@@ -37,7 +38,7 @@ class Patch:
     target: str
     handler: str  # "module:attribute" under sglang_sparse.srt ("" for listed kinds)
     process: str  # "all" | "main" | "scheduler"
-    when: str  # "cpu" | "active" | "evicting" | "chain_cache" | "check_integrity"
+    when: str  # "cpu" | "active" | "evicting" | "per_layer_rows" | "chain_cache" | "check_integrity"
     why: str
     methods: tuple[str, ...] = ()  # routes
     applied_by: str = ""  # listed kinds: the patch whose handler does it
@@ -95,6 +96,10 @@ PATCHES: tuple[Patch, ...] = (
     Patch("hook:decode-positions", "before", f"{S}model_executor.model_runner.ModelRunner.forward",
           "engine.rows:before_model_forward", "scheduler", "active",
           "RoPE positions stay logical for rows with evicted or pruned tokens before them (eager and graphs)"),
+    Patch("hook:flat-kv-pool", "around", f"{S}mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal",
+          "engine.flat_pool:around_create_buffers", "scheduler", "per_layer_rows",
+          "allocate every layer's K (and V) as one tensor, so a layer's kept rows can live in cells of "
+          "another layer's part and per-layer budgets free whole slots (docs/kv_payload.md)"),
     Patch("hook:extend-rows", "after", f"{BATCH}.prepare_for_extend", "engine.rows:after_prepare_for_extend",
           "scheduler", "active", "an extend after fewer rows than logical tokens: slots move to the real rows"),
     # -- scheduler: admission by the MemoryOracle (methods that evict) ---------------------------------

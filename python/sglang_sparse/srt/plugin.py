@@ -41,12 +41,14 @@ def load() -> None:
 def _conditions() -> dict[str, bool]:
     active = activation.is_active()
     config = activation.load_config() if active else {}
-    evicting = False
+    evicting = per_layer = False
     if active:
         from sglang_sparse.methods import get_method
 
-        evicting = get_method(config.get("method", "dense")).runtime_cls.evicts_kv
+        runtime = get_method(config.get("method", "dense")).runtime_cls
+        evicting, per_layer = runtime.evicts_kv, runtime.per_layer_rows
     return {"cpu": platform.cpu_requested(), "active": active, "evicting": active and evicting,
+            "per_layer_rows": active and per_layer,
             "chain_cache": active and bool(config.get("chain_cache")),
             "check_integrity": active and os.environ.get("SGLANG_SPARSE_CHECK_INTEGRITY", "") not in ("", "0")}
 

@@ -62,6 +62,9 @@ class SchedulerState:
     refused_head: str | None = None  # the waiting queue's head at the last admission round
     integrity_violations: int = 0  # failed every-step censuses (cache/integrity.py)
     metrics: Any = None  # metrics.SchedulerMetrics once --enable-metrics is seen
+    # per-layer-row methods: K and V of every layer in one tensor [2, layers, slots, H, D]
+    # (engine/flat_pool.py); the pool's k_buffer[l] / v_buffer[l] are views of it
+    flat_kv: torch.Tensor | None = None
 
 
 @dataclass

@@ -18,12 +18,14 @@ output. Decode steps take one of three paths, chosen by the method's capabilitie
 
 from __future__ import annotations
 
+import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_sparse.core.events import DecodeBatch, LayerInput
-from sglang_sparse.core.views import DecodeView
+from sglang_sparse.core.views import DecodeView, LayerRowsView
 from sglang_sparse.kernels.decode import decode_over_pages, decode_over_views
+from sglang_sparse.kernels.prefill import extend_over_cells
 from sglang_sparse.srt.prune import scheduler as prune
 from sglang_sparse.srt.state import STATE
 
@@ -66,8 +68,10 @@ class SparseHooks:
         else:
             self._write_kv(k, v, layer, forward_batch)
             inp = self._layer_input(q, k, v, layer)
-            STATE.scheduler.controller.attention_view(inp)  # prefill stays dense (no sparse-prefill method yet)
+            view = STATE.scheduler.controller.attention_view(inp)  # prefill stays dense (no sparse prefill yet)
             o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache=False)
+            if isinstance(view, LayerRowsView):  # earlier rows in per-layer cells: recompute those
+                self._extend_over_cells(inp, view, layer, o.view(-1, layer.tp_q_head_num, layer.v_head_dim))
             STATE.scheduler.controller.attention_done(inp, o.view(-1, layer.tp_q_head_num, layer.v_head_dim))
         if STATE.scheduler.probe_rows and self._plain(k, layer, save_kv_cache, kwargs):
             prune.capture(self, q, layer, forward_batch)  # a /prune probe scores its interval
@@ -85,6 +89,8 @@ class SparseHooks:
         view = STATE.scheduler.controller.attention_view(inp)
         if view is None:
             o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache=False)
+        elif isinstance(view, LayerRowsView):
+            o = self._decode_over_cells(inp, view, layer)
         else:
             o = self._decode_over_view(inp, view, layer, forward_batch)
         STATE.scheduler.controller.attention_done(inp, o.view(-1, layer.tp_q_head_num, layer.v_head_dim))
@@ -108,6 +114,35 @@ class SparseHooks:
         out = decode_over_pages(q3, k_cache, v_cache, table, forward_batch.req_pool_indices,
                                 view.page_ids, view.n_rows, view.page_size, layer.scaling)
         return out.view(q3.shape[0], -1)
+
+    @staticmethod
+    def _flat_kv():
+        return STATE.scheduler.controller.cache.store.flat_kv()
+
+    def _decode_over_cells(self, inp: LayerInput, view: LayerRowsView, layer):
+        """Decode over per-layer rows: request i reads the flat cells ``view.cells[i]``."""
+        flat_k, flat_v = self._flat_kv()
+        lengths = [c.numel() for c in view.cells]
+        table = torch.zeros(len(lengths), max(lengths), dtype=torch.int64, device=flat_k.device)
+        for i, c in enumerate(view.cells):
+            table[i, : lengths[i]] = c.to(flat_k.device)
+        hq = inp.q.shape[1]
+        rows = [torch.arange(n, device=flat_k.device).expand(hq, n) for n in lengths]
+        valid = [torch.ones(hq, n, dtype=torch.bool, device=flat_k.device) for n in lengths]
+        out = decode_over_views(inp.q, flat_k, flat_v, table, list(range(len(lengths))), rows, valid,
+                                lengths, layer.scaling)
+        return out.view(inp.q.shape[0], -1)
+
+    def _extend_over_cells(self, inp: LayerInput, view: LayerRowsView, layer, out) -> None:
+        flat_k, flat_v = self._flat_kv()
+        for i, cells in enumerate(view.cells):
+            if cells is None:
+                continue
+            start = inp.step.token_offsets[i]
+            n = inp.step.requests[i].num_tokens
+            out[start: start + n] = extend_over_cells(
+                inp.request_tokens(i, inp.q), inp.request_tokens(i, inp.k), inp.request_tokens(i, inp.v),
+                flat_k, flat_v, cells, layer.scaling)
 
     def _decode_over_view(self, inp: LayerInput, view: DecodeView, layer, forward_batch):
         reqs = inp.step.requests

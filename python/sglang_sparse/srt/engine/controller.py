@@ -23,6 +23,9 @@ def ensure_controller(model_runner) -> SparseController:
         config = activation.load_config()
         method = config.get("method", "dense")
         spec = get_method(method)
+        if spec.runtime_cls.per_layer_rows and st.flat_kv is None:
+            raise RuntimeError(f"--sparse-method {method} compacts per layer and needs SGLang's plain token-major "
+                               "KV layout (one allocation for all layers, engine/flat_pool.py)")
         store = SGLangKVStore(model_runner)
         kv_heads = model_runner.token_to_kv_pool.head_num
         runtime = spec.runtime_cls(CacheManager(store, kv_heads), build_config(method, config.get("options")))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from sgl_kernel_sparse import compact_kv
 
+from sglang_sparse.srt.state import STATE
+
 
 class SGLangKVStore:
     def __init__(self, model_runner) -> None:
@@ -41,3 +43,13 @@ class SGLangKVStore:
     def truncate_rows(self, req_row: int, n_rows: int) -> None:
         """Nothing to do on the table: rows ``[0, n_rows)`` keep their slots. SGLang's per-request
         lengths are patched by ``step_hooks.before_prepare_for_decode`` right after."""
+
+    def flat_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's K and V as ``[layers * slots, H, D]`` (``engine/flat_pool.py``)."""
+        flat = STATE.scheduler.flat_kv
+        if flat is None:
+            raise RuntimeError("this KV pool was not allocated as one tensor (engine/flat_pool.py)")
+        return flat[0].view(-1, *flat.shape[3:]), flat[1].view(-1, *flat.shape[3:])
+
+    def cells(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        return layer * STATE.scheduler.flat_kv.shape[2] + slots.to(torch.int64)
