@@ -6,6 +6,7 @@ directly. See README.md for shapes and index conventions.
 """
 
 from . import reference
+from .reference import pyramid_budgets
 from .dispatch import (
     compact_kv,
     paged_sparse_decode_attention,
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "compact_kv",
     "paged_sparse_decode_attention",
+    "pyramid_budgets",
     "quest_page_scores",
     "quest_page_scores_paged",
     "quest_select_pages",

@@ -209,6 +209,34 @@ def snapkv_keep_indices(q_win, k, budget, window, kernel, scale=None, slots=None
     return snapkv_select(scores, w, budget, kernel)
 
 
+PYRAMIDKV_BETA = 20
+
+
+def pyramid_budgets(prompt_len, budget, window, num_layers, beta=PYRAMIDKV_BETA):
+    """PyramidKV's selected positions per layer (the observation window excluded; each layer
+    keeps ``budgets[l] + window``), for a prompt of L tokens and an average budget C
+    (window included), w = window:
+
+      min = (C - w) // beta,  max = 2 (C - w) - min
+      if max > L - w: max = L - w, min = 2 (C - w) - max
+      step = (max - min) // (layers - 1),  budget_l = max - l * step     (layer 0 keeps most)
+
+    ``L <= C``: no compression (every layer keeps L - w); ``L < 2 (C - w)``: uniform SnapKV
+    (every layer keeps C - w)."""
+    avg = budget - window
+    if prompt_len <= budget:
+        return [prompt_len - window] * num_layers
+    if prompt_len < 2 * avg:
+        return [avg] * num_layers
+    low = avg // beta
+    high = 2 * avg - low
+    if high > prompt_len - window:
+        high = prompt_len - window
+        low = 2 * avg - high
+    step = (high - low) // max(num_layers - 1, 1)
+    return [high - layer * step for layer in range(num_layers)]
+
+
 def stable_topk(scores, k):
     """Indices of the k largest entries along the last dim, ties to the lower index (stable
     descending sort), returned ascending."""
