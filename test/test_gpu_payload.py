@@ -1,0 +1,84 @@
+"""Issue 14's methods on the CUDA path (GPU machine only; skipped elsewhere), through real servers
+on the default model's shape with random weights (see test_gpu_server.py):
+
+- StreamingLLM evicts while decoding inside SGLang's decode CUDA graphs (compaction at the safe
+  point, between graph replays) and gives the eager tokens; kv_bytes_used stays bounded;
+- PyramidKV compacts per layer on the flat GPU pool (one Triton ``compact_kv`` over every layer)
+  and decodes over per-layer cells through the Triton sparse decode kernel; a chain resumes over
+  them; every slot comes back."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import requests
+
+from conftest import start_server
+
+pytestmark = pytest.mark.gpu
+
+COMMON = ["--load-format", "dummy", "--attention-backend", "triton", "--sampling-backend", "pytorch",
+          "--max-total-tokens", "65536", "--log-level", "warning"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    path = os.environ.get("SGLANG_SPARSE_GPU_MODEL", ".gpumodel/smollm2-135m")
+    if not os.path.isdir(path):
+        pytest.skip(f"no model config at {path} (benchmark/gpu/prepare.sh makes it)")
+    return path
+
+
+def prompts(n_tokens: int, count: int) -> list[list[int]]:
+    return [[1000 + (31 * i + 7 * j) % 30000 for j in range(n_tokens)] for i in range(count)]
+
+
+def generate(srv, ids, n=16, chain_id=None) -> dict:
+    sp = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+    if chain_id:
+        sp["custom_params"] = {"chain_id": chain_id}
+    resp = requests.post(srv.base_url + "/generate", timeout=600, json={"input_ids": ids, "sampling_params": sp})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def stats(srv) -> dict:
+    return requests.get(srv.base_url + "/sparse/stats", timeout=60).json()
+
+
+def test_streamingllm_graphs_equal_eager_and_memory_stays_bounded(model, request):
+    flags = ["--sparse-method", "streamingllm", "--sparse-sinks", "4", "--sparse-recent", "128",
+             "--sparse-evict-every", "16", "--chain-cache", "off"]
+    batch = prompts(1000, 4)
+    graphs = start_server(["--model-path", model, *COMMON, *flags], request)
+    got = [r["output_ids"] for r in generate(graphs, batch, n=300)]
+    s = stats(graphs)
+    assert s["kv_free_slots"] == s["kv_total_slots"] and s["integrity"]["ok"]
+    assert s["counters"]["slots_released"] >= 4 * (1300 - 4 - 128 - 16)
+    graphs.stop()
+    eager = start_server(["--model-path", model, *COMMON, *flags, "--disable-cuda-graph"], request)
+    assert [r["output_ids"] for r in generate(eager, batch, n=300)] == got
+
+
+def test_pyramidkv_compacts_per_layer_on_the_gpu_and_resumes_a_chain(model, request):
+    budget = 256
+    srv = start_server(["--model-path", model, *COMMON, "--sparse-method", "pyramidkv",
+                        "--sparse-budget", str(budget)], request)
+    before = stats(srv)
+    outs = generate(srv, prompts(4000, 4), n=32)
+    assert all(len(r["output_ids"]) == 32 for r in outs)
+    for r in outs:
+        requests.delete(f"{srv.base_url}/chain/{r['meta_info']['chain_id']}", timeout=60)
+    after = stats(srv)
+    released = after["counters"]["slots_released"] - before["counters"]["slots_released"]
+    assert released >= 0.9 * 4 * (4000 - budget)  # what SnapKV at the same budget frees
+    assert after["kv_free_slots"] == before["kv_free_slots"] and after["integrity"]["ok"]
+    p1 = prompts(3000, 1)[0]
+    o1 = generate(srv, p1, 8)
+    cid = o1["meta_info"]["chain_id"]
+    o2 = generate(srv, p1 + o1["output_ids"] + prompts(200, 2)[1], 8, cid)
+    assert (o2["meta_info"]["chain_status"], o2["meta_info"]["reused_tokens"]) == ("resumed", 3007)
+    requests.delete(f"{srv.base_url}/chain/{cid}", timeout=60)
+    end = stats(srv)
+    assert end["kv_free_slots"] == before["kv_free_slots"] and end["integrity"]["ok"]
