@@ -38,6 +38,14 @@ CONFIGS = {
     "snapkv@1024": ["--sparse-method", "snapkv", "--sparse-budget", "1024", "--chain-cache", "off"],
     "quest@256": ["--sparse-method", "quest", "--sparse-token-budget", "256"],
     "quest@1024": ["--sparse-method", "quest", "--sparse-token-budget", "1024"],
+    "pyramidkv@256": ["--sparse-method", "pyramidkv", "--sparse-budget", "256", "--chain-cache", "off"],
+    "pyramidkv@1024": ["--sparse-method", "pyramidkv", "--sparse-budget", "1024", "--chain-cache", "off"],
+    # sinks + recent = the budget
+    "streamingllm@256": ["--sparse-method", "streamingllm", "--sparse-sinks", "4", "--sparse-recent", "252",
+                         "--chain-cache", "off"],
+    "streamingllm@1024": ["--sparse-method", "streamingllm", "--sparse-sinks", "4", "--sparse-recent", "1020",
+                          "--chain-cache", "off"],
+    "fp8": ["--sparse-method", "fp8"],
 }
 
 

@@ -140,3 +140,18 @@ def test_radix_eviction_policy_is_sglangs_or_refused():
     # another prefix cache: SGLang's own tree serves the policy
     sparse_config(["--device", "cpu", "--radix-eviction-policy", "tlru", "--radix-cache-backend", "default"],
                   log=lambda m: None)
+
+
+def test_fp8_sets_or_checks_the_kv_cache_dtype():
+    from sglang_sparse.registry import ConfigError
+    from sglang_sparse.srt.launcher import sparse_config
+
+    _, argv = sparse_config(["--device", "cpu", "--sparse-method", "fp8"], log=lambda m: None)
+    assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
+    _, argv = sparse_config(["--device", "cpu", "--sparse-method", "fp8", "--kv-cache-dtype", "fp8_e4m3"],
+                            log=lambda m: None)
+    assert argv.count("--kv-cache-dtype") == 1
+    with pytest.raises(ConfigError, match="fp8 stores KV as fp8_e4m3 and cannot run with --kv-cache-dtype bf16"):
+        sparse_config(["--device", "cpu", "--sparse-method", "fp8", "--kv-cache-dtype", "bf16"], log=lambda m: None)
+    _, argv = sparse_config(["--device", "cpu", "--sparse-method", "dense"], log=lambda m: None)
+    assert "--kv-cache-dtype" not in argv

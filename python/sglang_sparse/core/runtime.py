@@ -70,6 +70,12 @@ class SparseMethodRuntime:
         return any(getattr(cls, h) is not getattr(SparseMethodRuntime, h) for h in DECODE_LAYER_HOOKS)
 
     @staticmethod
+    def required_kv_cache_dtype(config) -> str | None:
+        """The engine's KV storage dtype this configuration needs (SGLang's ``--kv-cache-dtype``
+        where it serves the payload, e.g. ``fp8_e4m3``); None: the model's."""
+        return None
+
+    @staticmethod
     def required_page_size(config) -> int | None:
         """The engine page size (KV allocation unit) this configuration needs, e.g. for metadata
         kept per physical page; None: any."""

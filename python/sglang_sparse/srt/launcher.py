@@ -153,6 +153,7 @@ def sparse_config(argv: list[str], log=logger.info) -> tuple[dict, list[str]]:
             argv += ["--attention-backend", backend]
             log(f"sglang_sparse: {config['method']} runs on the {backend} attention backend; added --attention-backend {backend}")
     argv = _page_size(config, runtime, argv, given, log)
+    argv = _kv_cache_dtype(config, runtime, argv, given, log)
     argv = _radix_backend(config, argv, log)
     if _serves_on_gpu(given) and not given.disable_cuda_graph:
         if runtime.decode_needs_python():
@@ -219,6 +220,21 @@ def _radix_backend(config: dict, argv: list[str], log) -> list[str]:
         argv = argv + ["--radix-cache-backend", RADIX_BACKEND]
         log(f"sglang_sparse: prefix cache keyed by logical tokens over retained KV; added "
             f"--radix-cache-backend {RADIX_BACKEND}")
+    return argv
+
+
+def _kv_cache_dtype(config: dict, runtime, argv: list[str], given, log) -> list[str]:
+    """The KV storage dtype the method's payload needs (``--kv-cache-dtype``): set it when not
+    given, refuse a conflicting one."""
+    need = runtime.required_kv_cache_dtype(build_config(config["method"], config["options"]))
+    if need is None:
+        return argv
+    if given.kv_cache_dtype is None:
+        log(f"sglang_sparse: {config['method']} stores KV as {need}; added --kv-cache-dtype {need}")
+        return argv + ["--kv-cache-dtype", need]
+    if given.kv_cache_dtype != need:
+        raise ConfigError(f"--sparse-method {config['method']} stores KV as {need} and cannot run with "
+                          f"--kv-cache-dtype {given.kv_cache_dtype}; drop the flag or pass {need}")
     return argv
 
 
