@@ -46,6 +46,8 @@ CONFIGS = {
     "streamingllm@1024": ["--sparse-method", "streamingllm", "--sparse-sinks", "4", "--sparse-recent", "1020",
                           "--chain-cache", "off"],
     "fp8": ["--sparse-method", "fp8"],
+    "kivi-2bit": ["--sparse-method", "kivi", "--sparse-bits", "2"],
+    "kivi-4bit": ["--sparse-method", "kivi", "--sparse-bits", "4"],
 }
 
 

@@ -11,6 +11,7 @@ import requests
 import torch
 
 from conftest import start_server
+from sglang_sparse.registry import method_names
 
 # fp32 on both sides so greedy decoding is comparable token for token.
 SERVER_ARGS = ["--dtype", "float32", "--max-total-tokens", "16384", "--log-level", "warning"]
@@ -175,7 +176,7 @@ def test_dense_gives_the_same_tokens_as_plain_sglang(server, default_model_dir, 
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--sparse-method", "snapkvv"], "unknown sparse method 'snapkvv'; available: dense, quest, snapkv"),
+    (["--sparse-method", "snapkvv"], "unknown sparse method 'snapkvv'; available: " + ", ".join(method_names())),
     (["--sparse-method", "quest", "--sparse-token-budget", "4"], "token_budget=4 is out of range"),
     (["--sparse-method", "quest", "--sparse-window", "8"], "sparse method 'quest' has no option window"),
 ])

@@ -54,6 +54,9 @@ class KVStore(Protocol):
     def cells(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Flat cells of ``slots`` in ``layer``."""
 
+    def table_shape(self) -> tuple[int, int]:
+        """``(request rows, max rows per request)`` of the engine's slot table."""
+
 
 class TensorKVStore:
     """Slot pool + slot table + free list, all plain tensors. KV is allocated in pages of
@@ -111,6 +114,9 @@ class TensorKVStore:
 
     def move_kv(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         compact_kv(self.k[layer], self.v[layer], src, dst)
+
+    def table_shape(self) -> tuple[int, int]:
+        return tuple(self.table.shape)
 
     def flat_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k.view(-1, *self.k.shape[2:]), self.v.view(-1, *self.v.shape[2:])

@@ -101,7 +101,7 @@ class RetainedMap:
         if self.kept is None and self.layer_kept is None:
             return logical.clone()
         positions = self.layer_positions(layer)
-        rows = torch.searchsorted(positions, logical)
+        rows = torch.searchsorted(positions, logical.contiguous())
         if bool((positions.gather(1, rows.clamp(max=positions.shape[1] - 1)) != logical).any()):
             raise KeyError("a requested logical position has no KV (evicted or not computed)")
         return rows
@@ -112,7 +112,7 @@ class RetainedMap:
         positions = self.positions
         if positions is None:
             return logical.clone()
-        rows = torch.searchsorted(positions, logical)
+        rows = torch.searchsorted(positions, logical.contiguous())
         if bool((positions.gather(2, rows.clamp(max=self.n_rows - 1)) != logical).any()):
             raise KeyError("a requested logical position has no KV (evicted or not computed)")
         return rows

@@ -51,6 +51,7 @@ class SparseMethodRuntime:
     evicts_kv = False  # True: releases KV slots during a request (needs physical eviction support)
     graph_decode = False  # True: decode layers go through decode_view_tensors (CUDA-graph safe)
     per_layer_rows = False  # True: compacts per layer (flat-cell store, LayerRowsView attention)
+    supports_chains = True  # False: Chain Cache cannot carry this method's state yet
 
     @classmethod
     def has_layer_hooks(cls) -> bool:
@@ -85,6 +86,15 @@ class SparseMethodRuntime:
         self.cache = cache
         self.oracle = oracle or MemoryOracle()
         self.counters: dict[str, int] = {}
+
+    def payload_bytes(self) -> tuple[int, int]:
+        """(total, used) bytes of KV the method stores outside the engine's pool (a quantized
+        block store); the engine's pool is counted by the adapter."""
+        return 0, 0
+
+    def payload_bytes_per_token(self) -> float | None:
+        """Bytes per token of the method's own representation; None: the engine pool's."""
+        return None
 
     def bump(self, counter: str, n: int = 1) -> None:
         self.counters[counter] = self.counters.get(counter, 0) + n

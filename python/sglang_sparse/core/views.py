@@ -7,6 +7,7 @@ row / logical convention). ``None`` from a hook means "dense": every resident ro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -58,3 +59,14 @@ class LayerRowsView:
     engine's own slot table is right (a request without a per-layer map, in prefill)."""
 
     cells: tuple[torch.Tensor | None, ...]
+
+
+@dataclass(frozen=True)
+class QuantizedDecodeView:
+    """A quantized history (``core/quant_store``): request i reads its ``n_blocks[i]`` blocks
+    (``block_table`` row = its engine row, like the slot table) and then its resident
+    full-precision rows ``[0, n_rows)`` of the engine's slot table (this token included)."""
+
+    store: Any  # QuantizedBlockStore
+    block_table: torch.Tensor
+    n_blocks: torch.Tensor

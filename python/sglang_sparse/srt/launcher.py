@@ -181,7 +181,10 @@ def _chain_cache(method: str, runtime, argv: list[str], log) -> tuple[bool, list
     choice = known.chain_cache
     if choice not in CHAIN_CACHE_CHOICES:
         raise ConfigError(f"--chain-cache {choice} is not one of {', '.join(CHAIN_CACHE_CHOICES)}")
-    on = choice == "on" or (choice == "auto" and runtime.evicts_kv)
+    if choice == "on" and not runtime.supports_chains:
+        raise ConfigError(f"--chain-cache on is not supported by --sparse-method {method} yet (Chain Cache cannot "
+                          "carry its KV payload); pass --chain-cache off or auto")
+    on = choice == "on" or (choice == "auto" and runtime.evicts_kv and runtime.supports_chains)
     if on:
         how = ("parks retained rows" if runtime.evicts_kv else
                "pins each chain's prefix in the radix cache")

@@ -47,14 +47,18 @@ def scheduler_stats(scheduler) -> dict | None:
     logical = sum(o["logical_tokens"] for o in owners.values())
     retained = sum(o["retained_tokens"] for o in owners.values())
     total, free = int(scheduler.max_total_num_tokens), int(scheduler.token_to_kv_pool_allocator.available_size())
-    per_slot = st.controller.cache.store.bytes_per_slot()  # the method's representation (docs/kv_payload.md)
+    per_slot = st.controller.cache.store.bytes_per_slot()  # the engine pool's representation
+    runtime = st.controller.runtime
+    own_total, own_used = runtime.payload_bytes()  # a method-owned store (docs/kv_payload.md)
+    per_token = runtime.payload_bytes_per_token()
     return {
         "method": stats["method"],
         "kv_total_slots": total,
         "kv_free_slots": free,
-        "kv_bytes_per_token": per_slot,
-        "kv_bytes_total": total * per_slot,
-        "kv_bytes_used": (total - free) * per_slot,
+        "kv_bytes_per_token": per_slot if per_token is None else round(per_token, 2),
+        "kv_bytes_per_slot": per_slot,
+        "kv_bytes_total": total * per_slot + own_total,
+        "kv_bytes_used": (total - free) * per_slot + own_used,
         # everything resident: running requests, the radix tree, idle chains (split in by_owner)
         "logical_tokens": logical,
         "retained_tokens": retained,

@@ -65,20 +65,23 @@ def _check_bits(bits: int) -> int:
     return int(bits)
 
 
-def kivi_quantize_groups(x, bits, dim):
+def kivi_quantize_groups(x, bits, dim, scale_dtype=torch.float32):
     """KIVI's b-bit asymmetric quantization of ``x`` in groups along ``dim`` (every other index
-    is its own group). Returns ``(codes uint8, same shape as x; scale, mn fp32, x's shape
-    without dim)``. All arithmetic in fp32; the divisions are true elementwise divisions (a
-    scalar divisor may become a multiply by its reciprocal on some devices)."""
+    is its own group). Returns ``(codes uint8, same shape as x; scale, mn in scale_dtype, x's
+    shape without dim)``. All arithmetic in fp32; the divisions are true elementwise divisions
+    (a scalar divisor may become a multiply by its reciprocal on some devices). With a
+    ``scale_dtype`` narrower than fp32 (fp16: the server's store), scale and min are rounded to
+    it *first* and the codes computed from the rounded values, so ``code * scale + min`` is the
+    reconstruction whatever dtype holds them."""
     levels = (1 << _check_bits(bits)) - 1
     xf = x.float()
-    mn = xf.amin(dim=dim, keepdim=True)
+    mn = xf.amin(dim=dim, keepdim=True).to(scale_dtype).float()
     mx = xf.amax(dim=dim, keepdim=True)
-    s = (mx - mn) / torch.full_like(mx, levels)
+    s = ((mx - mn) / torch.full_like(mx, levels)).to(scale_dtype).float()
     flat = s == 0
     code = torch.floor((xf - mn) / torch.where(flat, 1.0, s) + 0.5).clamp_(0, levels)
     code = torch.where(flat, 0.0, code).to(torch.uint8)
-    return code, s.squeeze(dim), mn.squeeze(dim)
+    return code, s.squeeze(dim).to(scale_dtype), mn.squeeze(dim).to(scale_dtype)
 
 
 def pack_codes(codes, bits):
@@ -109,16 +112,16 @@ def _blocks(t, group):
     return t // group
 
 
-def kivi_quantize_keys(k, bits, group=KIVI_GROUP):
+def kivi_quantize_keys(k, bits, group=KIVI_GROUP, scale_dtype=torch.float32):
     """Keys ``[G*n, Hkv, D]`` -> ``(codes [n, Hkv, G, D*bits//8] uint8, scale [n, Hkv, D],
     mn [n, Hkv, D])``: per channel over each block of G consecutive tokens."""
     t, hkv, d = k.shape
     n = _blocks(t, group)
-    codes, s, mn = kivi_quantize_groups(k.reshape(n, group, hkv, d), bits, dim=1)
+    codes, s, mn = kivi_quantize_groups(k.reshape(n, group, hkv, d), bits, dim=1, scale_dtype=scale_dtype)
     return pack_codes(codes.permute(0, 2, 1, 3), bits), s, mn  # codes [n, G, Hkv, D] -> [n, Hkv, G, D]
 
 
-def kivi_quantize_values(v, bits, group=KIVI_GROUP):
+def kivi_quantize_values(v, bits, group=KIVI_GROUP, scale_dtype=torch.float32):
     """Values ``[G*n, Hkv, D]`` -> ``(codes [n, Hkv, G, D*bits//8] uint8, scale [n, Hkv, G, D//G],
     mn [n, Hkv, G, D//G])``: per token over groups of G consecutive channels (G divides D)."""
     t, hkv, d = v.shape
@@ -126,7 +129,7 @@ def kivi_quantize_values(v, bits, group=KIVI_GROUP):
     if d % group:
         raise ValueError(f"value group {group} does not divide head_dim {d}")
     x = v.reshape(n, group, hkv, d // group, group)  # [block, token, head, channel group, channel]
-    codes, s, mn = kivi_quantize_groups(x, bits, dim=4)
+    codes, s, mn = kivi_quantize_groups(x, bits, dim=4, scale_dtype=scale_dtype)
     codes = codes.reshape(n, group, hkv, d).permute(0, 2, 1, 3)
     return (pack_codes(codes, bits), s.permute(0, 2, 1, 3).contiguous(),
             mn.permute(0, 2, 1, 3).contiguous())

@@ -75,8 +75,8 @@ def _kivi_decode_kernel(
     gmask = (t[:, None] < G) & (cg[None, :] < D // G)
     for j in range(j0, j1):
         blk = tl.load(BLOCK_TABLE + req * s_bt + j).to(tl.int64)
-        ks = tl.load(KS + blk * s_ksb + kvh * s_ksh + d, mask=dmask, other=0.0)
-        km = tl.load(KM + blk * s_kmb + kvh * s_kmh + d, mask=dmask, other=0.0)
+        ks = tl.load(KS + blk * s_ksb + kvh * s_ksh + d, mask=dmask, other=0.0).to(tl.float32)
+        km = tl.load(KM + blk * s_kmb + kvh * s_kmh + d, mask=dmask, other=0.0).to(tl.float32)
         k = _unpack_tile(KC, blk * s_kcb + kvh * s_kch, t, d, tile, s_kct, BITS)
         k = k * ks[None, :] + km[None, :]  # dequantized keys [G, BLOCK_D], registers only
         logit = tl.sum(k * q[None, :], axis=1)
@@ -87,9 +87,9 @@ def _kivi_decode_kernel(
         # values: one (scale, min) per token and group of G channels, broadcast over the group
         # by viewing the tile as [G tokens, BLOCK_D // G groups, G channels]
         vs = tl.load(VS + blk * s_vsb + kvh * s_vsh + t[:, None] * s_vst + cg[None, :],
-                     mask=gmask, other=0.0)
+                     mask=gmask, other=0.0).to(tl.float32)
         vm = tl.load(VM + blk * s_vmb + kvh * s_vmh + t[:, None] * s_vmt + cg[None, :],
-                     mask=gmask, other=0.0)
+                     mask=gmask, other=0.0).to(tl.float32)
         v = _unpack_tile(VC, blk * s_vcb + kvh * s_vch, t, d, tile, s_vct, BITS)
         v = tl.reshape(v, (G, BLOCK_D // G, G)) * vs[:, :, None] + vm[:, :, None]
         v = tl.reshape(v, (G, BLOCK_D))

@@ -23,9 +23,10 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_sparse.core.events import DecodeBatch, LayerInput
-from sglang_sparse.core.views import DecodeView, LayerRowsView
+from sglang_sparse.core.views import DecodeView, LayerRowsView, QuantizedDecodeView
 from sglang_sparse.kernels.decode import decode_over_pages, decode_over_views
 from sglang_sparse.kernels.prefill import extend_over_cells
+from sglang_sparse.kernels.quantized import kivi_decode
 from sglang_sparse.srt.prune import scheduler as prune
 from sglang_sparse.srt.state import STATE
 
@@ -91,6 +92,8 @@ class SparseHooks:
             o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache=False)
         elif isinstance(view, LayerRowsView):
             o = self._decode_over_cells(inp, view, layer)
+        elif isinstance(view, QuantizedDecodeView):
+            o = self._decode_over_quantized(inp, view, layer)
         else:
             o = self._decode_over_view(inp, view, layer, forward_batch)
         STATE.scheduler.controller.attention_done(inp, o.view(-1, layer.tp_q_head_num, layer.v_head_dim))
@@ -131,6 +134,19 @@ class SparseHooks:
         valid = [torch.ones(hq, n, dtype=torch.bool, device=flat_k.device) for n in lengths]
         out = decode_over_views(inp.q, flat_k, flat_v, table, list(range(len(lengths))), rows, valid,
                                 lengths, layer.scaling)
+        return out.view(inp.q.shape[0], -1)
+
+    def _decode_over_quantized(self, inp: LayerInput, view: QuantizedDecodeView, layer):
+        """Decode over each request's quantized blocks + its full-precision rows (this token's
+        included), dequantized inside the kernel."""
+        reqs = inp.step.requests
+        device = inp.q.device
+        req_rows = torch.tensor([r.req_row for r in reqs], dtype=torch.int64, device=device)
+        res_len = torch.tensor([r.row_start + r.num_tokens for r in reqs], dtype=torch.int32, device=device)
+        out = kivi_decode(inp.q, view.store, layer.layer_id, view.block_table, req_rows, view.n_blocks,
+                          self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                          self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+                          self.req_to_token_pool.req_to_token, res_len, layer.scaling)
         return out.view(inp.q.shape[0], -1)
 
     def _extend_over_cells(self, inp: LayerInput, view: LayerRowsView, layer, out) -> None:

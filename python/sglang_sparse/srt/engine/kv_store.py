@@ -53,3 +53,6 @@ class SGLangKVStore:
 
     def cells(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         return layer * STATE.scheduler.flat_kv.shape[2] + slots.to(torch.int64)
+
+    def table_shape(self) -> tuple[int, int]:
+        return tuple(self.req_to_token.shape)

@@ -1,0 +1,81 @@
+"""A method-owned quantized KV store: KIVI blocks (engine-agnostic, torch only).
+
+The quantized history of a request is a list of *blocks* of G consecutive tokens; a block holds,
+per layer and KV head, the packed codes and the scale / min of KIVI's groups
+(``sgl_kernel_sparse.quant``: keys per channel over the block's G tokens, values per token over
+groups of G channels). The full-precision residual stays in the engine's pool.
+
+```
+ logical  0 ............ nG-1 | nG ............ logical_len-1
+          blocks b_0 .. b_{n-1}  | engine rows 0 .. n_rows-1 (full precision, the residual)
+          block_table[req_row, j] = b_j           RoPE offset of the rows = nG (rows.py)
+```
+
+Per block and layer (b bits, KV heads H, head_dim D): codes ``2 * H * G * D * b / 8`` bytes and
+four fp16 tensors (key scale/min ``H * D``, value scale/min ``H * G * D / G``):
+``bytes_per_token = layers * H * (2 * D * b / 8 + 2 * 2 * D / G + 2 * 2 * D / G)``.
+Scales and mins are fp16 (``kivi_quantize_groups(scale_dtype=fp16)`` computes the codes from
+the rounded values, so the reconstruction is exact in the stored dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+from sgl_kernel_sparse.quant import kivi_quantize_keys, kivi_quantize_values
+
+SCALE_DTYPE = torch.float16
+
+
+class QuantizedBlockStore:
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, num_blocks: int, bits: int,
+                 group: int, device="cpu") -> None:
+        self.num_layers, self.bits, self.group, self.num_blocks = num_layers, bits, group, num_blocks
+        packed = head_dim * bits // 8
+
+        def tensors(*shape, dtype):
+            return [torch.zeros(num_blocks, kv_heads, *shape, dtype=dtype, device=device)
+                    for _ in range(num_layers)]
+
+        self.k_codes = tensors(group, packed, dtype=torch.uint8)
+        self.v_codes = tensors(group, packed, dtype=torch.uint8)
+        self.k_scale = tensors(head_dim, dtype=SCALE_DTYPE)
+        self.k_min = tensors(head_dim, dtype=SCALE_DTYPE)
+        self.v_scale = tensors(group, head_dim // group, dtype=SCALE_DTYPE)
+        self.v_min = tensors(group, head_dim // group, dtype=SCALE_DTYPE)
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+
+    # -- allocation ----------------------------------------------------------------------------
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """n blocks, or None if fewer are free."""
+        if n > len(self._free):
+            return None
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        if set(blocks) & set(self._free) or len(set(blocks)) != len(blocks):
+            raise RuntimeError(f"double free of KIVI blocks {blocks}")
+        self._free.extend(blocks)
+
+    # -- writes --------------------------------------------------------------------------------
+    def write(self, layer: int, blocks: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize ``len(blocks) * G`` consecutive tokens' K and V (``[n*G, H, D]``) into blocks."""
+        idx = torch.tensor(blocks, dtype=torch.int64, device=self.k_codes[layer].device)
+        kc, ks, km = kivi_quantize_keys(k, self.bits, self.group, scale_dtype=SCALE_DTYPE)
+        vc, vs, vm = kivi_quantize_values(v, self.bits, self.group, scale_dtype=SCALE_DTYPE)
+        self.k_codes[layer][idx], self.k_scale[layer][idx], self.k_min[layer][idx] = kc, ks, km
+        self.v_codes[layer][idx], self.v_scale[layer][idx], self.v_min[layer][idx] = vc, vs, vm
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """``(k_codes, k_scale, k_min, v_codes, v_scale, v_min)`` of one layer (kernel order)."""
+        return (self.k_codes[layer], self.k_scale[layer], self.k_min[layer],
+                self.v_codes[layer], self.v_scale[layer], self.v_min[layer])
+
+    # -- bytes ---------------------------------------------------------------------------------
+    def bytes_per_block(self) -> int:
+        return sum(t[0].nbytes for layer in range(self.num_layers) for t in self.layer(layer))
+
+    def bytes_per_token(self) -> float:
+        return self.bytes_per_block() / self.group

@@ -1,0 +1,132 @@
+"""KIVI (Liu et al., ICML 2024): 2- or 4-bit asymmetric KV quantization with a full-precision
+residual window.
+
+Keys are quantized per channel over groups of ``group`` tokens, values per token over groups of
+``group`` channels (``sgl_kernel_sparse.quant``, codes ``floor((x - min) / s + 0.5)``); the most
+recent ``residual`` to ``residual + group - 1`` tokens stay in full precision in the engine's pool.
+The quantized history lives in a method-owned block store (``core/quant_store``, one block = G
+tokens, fp16 scales and mins).
+
+When (all at the engine's safe point, between steps):
+- after the last prompt chunk: every whole group of G tokens older than the residual window is
+  quantized into blocks and its rows are released (the prompt is full precision while it is
+  prefilled: chunks attend to it exactly);
+- while decoding: once the residual holds ``residual + group`` tokens, its oldest G are quantized
+  into one block and released (KIVI's streaming rule).
+Attention in decode reads the dequantized blocks and the residual in one kernel
+(``kernels.quantized.kivi_decode``; Triton dequantizes in registers on CUDA), per layer in Python
+(eager: no decode CUDA graphs yet).
+
+Memory: the residual is in SGLang's slots (what ``kv_total_slots`` counts), the blocks in the
+block store sized by ``capacity_tokens``; ``/sparse/stats`` adds both in bytes. When the block
+store is full a request keeps its tokens in full precision (``kivi_store_full`` counts it) and
+SGLang's own memory checks apply to its rows. Chain Cache, the radix cache and ``/prune`` are not
+supported with KIVI yet (the launcher turns the radix cache off and refuses ``--chain-cache on``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sglang_sparse.core.eviction import EvictingRuntime
+from sglang_sparse.core.events import LayerInput, StepInfo
+from sglang_sparse.core.memory_oracle import MemoryOracle
+from sglang_sparse.core.quant_store import QuantizedBlockStore
+from sglang_sparse.core.views import QuantizedDecodeView
+from sglang_sparse.registry import ConfigError, check_range, register_method
+
+
+@dataclass(frozen=True)
+class KIVIConfig:
+    bits: int = 2
+    group: int = 32
+    residual: int = 128
+    capacity_tokens: int = 65536
+
+    def validate(self) -> None:
+        if self.bits not in (2, 4):
+            raise ConfigError(f"bits={self.bits} is not supported: must be 2 or 4")
+        check_range("group", self.group, 1, 1024)
+        if self.group & (self.group - 1):
+            raise ConfigError(f"group={self.group} must be a power of two (the kernel's tile)")
+        check_range("residual", self.residual, 1)
+        check_range("capacity_tokens", self.capacity_tokens, self.group)
+
+
+@register_method("kivi", "quantization", KIVIConfig, "2/4-bit KV (keys per channel, values per token) + fp residual")
+class KIVIRuntime(EvictingRuntime):
+    supports_chains = False
+
+    def __init__(self, cache, config: KIVIConfig | None = None) -> None:
+        self.config = config or KIVIConfig()
+        c = self.config
+        cap = c.residual + c.group  # full-precision rows a request holds at most (while blocks last)
+        super().__init__(cache, MemoryOracle(retained_budget=cap, row_cap=cap))
+        k0, store = cache.store.k_buffer(0), cache.store
+        if k0.shape[-1] % c.group:
+            raise ConfigError(f"group={c.group} must divide head_dim {k0.shape[-1]}")
+        self.blocks = QuantizedBlockStore(store.num_layers, k0.shape[1], k0.shape[2], c.capacity_tokens // c.group,
+                                          c.bits, c.group, k0.device)
+        rows, max_len = store.table_shape()
+        # block_table[engine row, j]: the j-th block of the request on that row (kernel input)
+        self.table = torch.zeros(rows, -(-max_len // c.group), dtype=torch.int32, device=k0.device)
+        self.owned: dict[str, list[int]] = {}  # request -> its blocks, in token order
+
+    # -- the store -------------------------------------------------------------------------------
+    def payload_bytes_per_token(self) -> float:
+        return self.blocks.bytes_per_token()
+
+    def payload_bytes(self) -> tuple[int, int]:
+        """(total, used) bytes of the block store."""
+        per = self.blocks.bytes_per_block()
+        return self.blocks.num_blocks * per, (self.blocks.num_blocks - self.blocks.free_count()) * per
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def on_request_end(self, rid: str) -> None:
+        blocks = self.owned.pop(rid, None)
+        if blocks:
+            self.blocks.free(blocks)
+
+    def finish_step(self, step: StepInfo) -> None:
+        c = self.config
+        for r in step.requests:
+            state = self.cache.requests.get(r.rid)
+            if state is None or r.logical_end < r.prompt_len:
+                continue
+            if state.retained.n_rows >= c.residual + c.group:
+                self.schedule(r.rid)
+
+    def plan(self, rid: str) -> torch.Tensor | None:
+        """Quantize the oldest whole groups beyond the residual window into new blocks; the rows
+        that stay are the newest ones (positions kept, per layer and head)."""
+        c = self.config
+        state = self.cache.requests[rid]
+        ret = state.retained
+        n_groups = (ret.n_rows - c.residual) // c.group
+        if n_groups <= 0:
+            return None
+        store = self.cache.store
+        blocks = self.blocks.alloc(n_groups)
+        if blocks is None:
+            self.bump("kivi_store_full")
+            return None
+        slots = self.cache.resident_slots(rid)[: n_groups * c.group].to(self.table.device)
+        for layer in range(store.num_layers):
+            self.blocks.write(layer, blocks, store.k_buffer(layer)[slots], store.v_buffer(layer)[slots])
+        mine = self.owned.setdefault(rid, [])
+        self.table[state.req_row, len(mine): len(mine) + n_groups] = torch.tensor(blocks, dtype=torch.int32)
+        mine.extend(blocks)
+        self.bump("kivi_blocks_written", n_groups)
+        positions = ret.all_positions()
+        return positions[..., n_groups * c.group:]  # the residual: every layer and head alike
+
+    # -- decode ----------------------------------------------------------------------------------
+    def build_decode_selection(self, layer: LayerInput) -> QuantizedDecodeView | None:
+        if not self.owned:
+            return None  # nothing quantized yet: dense over the resident rows
+        device = self.table.device
+        n = torch.tensor([len(self.owned.get(r.rid, ())) for r in layer.step.requests], dtype=torch.int32,
+                         device=device)
+        return QuantizedDecodeView(self.blocks, self.table, n)
