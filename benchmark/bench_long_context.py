@@ -61,6 +61,11 @@ def variant(name: str, budget: int) -> tuple[str, list[str]]:
         "quest": ["--sparse-method", "quest", "--sparse-token-budget", str(budget)],
         # no Chain Cache: requests here are independent (a parked chain would hold pool rows)
         "snapkv": ["--sparse-method", "snapkv", "--sparse-budget", str(budget), "--chain-cache", "off"],
+        "pyramidkv": ["--sparse-method", "pyramidkv", "--sparse-budget", str(budget), "--chain-cache", "off"],
+        # sinks + recent = the budget; 16 more rows at most between evictions
+        "streamingllm": ["--sparse-method", "streamingllm", "--sparse-sinks", "4", "--sparse-recent",
+                         str(budget - 4), "--sparse-evict-every", "16", "--chain-cache", "off"],
+        "fp8": ["--sparse-method", "fp8", "--page-size", "16"],
     }[name]
     return ("sglang.launch_server" if name == "plain" else "sglang_sparse.launch_server"), flags
 
@@ -137,19 +142,36 @@ def make_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(1000, 30000) for _ in range(length)] for _ in range(n)]
 
 
-def server(name: str, args, extra: list[str]) -> ServerProcess:
+def server(name: str, args, extra: list[str]) -> ServerProcess:  # noqa: D401
     module, flags = variant(name, args.budget)
     ctx = args.prompt_len + args.output_len + 64
     base = GPU_FLAGS if not args.cpu else ["--device", "cpu", "--log-level", "warning"]
-    flags = ["--model-path", args.model_path, *base, *flags, "--max-total-tokens", str(args.pool),
+    flags = ["--model-path", args.model_path, *base, *flags, "--max-total-tokens", str(pool_tokens(name, args)),
              "--context-length", str(ctx), *extra]
     return ServerProcess(flags, module=module)
 
 
+def pool_tokens(name: str, args) -> int:
+    """KV pool in tokens for the same bytes as ``--pool`` tokens at the model's precision (fp8
+    stores a token in half the bytes, so twice the tokens)."""
+    return 2 * args.pool if name == "fp8" else args.pool
+
+
 def capacity_batch(name: str, args) -> int:
+    """Largest batch resident for the whole output: the request being prefilled holds its whole
+    prompt, every admitted one its retained rows + the output (capped for StreamingLLM)."""
+    pool, L, N = pool_tokens(name, args), args.prompt_len, args.output_len
     if name == "snapkv":
-        return (args.pool - args.prompt_len) // (args.budget + args.output_len) + 1
-    return args.pool // (args.prompt_len + args.output_len)
+        return (pool - L) // (args.budget + N) + 1
+    if name == "pyramidkv":
+        from sglang_sparse.methods.pyramidkv import PyramidKVConfig, layer_budgets
+
+        layers = json.loads((Path(args.model_path) / "config.json").read_text())["num_hidden_layers"]
+        rows = -(-sum(layer_budgets(PyramidKVConfig(budget=args.budget, window=32), L, layers)) // layers)
+        return (pool - L) // (rows + N) + 1
+    if name == "streamingllm":
+        return (pool - L) // (args.budget + 16) + 1
+    return pool // (L + N)
 
 
 def main() -> None:
@@ -186,6 +208,9 @@ def main() -> None:
         try:
             with server(name, args, args.extra) as srv:
                 decode_window(srv.base_url, make_prompts(1, 256, seed=99), 16, 2, 4, timeout=120)  # discarded
+                st = requests.get(srv.base_url + "/sparse/stats", timeout=60)
+                if st.status_code == 200:  # the KV representation and pool, as the server counts them
+                    res["kv"] = {k: st.json().get(k) for k in ("kv_bytes_per_token", "kv_total_slots", "kv_bytes_total")}
                 for b in batches:
                     max_new = args.output_len if args.experiment == "capacity" else args.warmup + args.window + 2
                     res[str(b)] = decode_window(srv.base_url, prompts[:b], max_new, args.warmup, args.window,
@@ -202,7 +227,9 @@ def main() -> None:
           f"decode tok/s in a {args.window}-token window after {args.warmup} warm-up tokens")
     for name, res in results.items():
         cells = [f"b={b}: {r['decode_tok_s']:.1f} tok/s (peak running {r['peak_running']})"
-                 for b, r in res.items() if isinstance(r, dict)]
+                 for b, r in res.items() if isinstance(r, dict) and "decode_tok_s" in r]
+        if "kv" in res:
+            cells.append(f"{res['kv']['kv_bytes_per_token']} B/token")
         print(f"{name:<8}", "; ".join(cells) or res.get("error"))
     print(f"wrote benchmark/results/{out}")
 

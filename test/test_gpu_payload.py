@@ -82,3 +82,17 @@ def test_pyramidkv_compacts_per_layer_on_the_gpu_and_resumes_a_chain(model, requ
     requests.delete(f"{srv.base_url}/chain/{cid}", timeout=60)
     end = stats(srv)
     assert end["kv_free_slots"] == before["kv_free_slots"] and end["integrity"]["ok"]
+
+
+def test_kivi_decodes_through_the_triton_kernel_and_frees_every_block(model, request):
+    srv = start_server(["--model-path", model, *COMMON, "--sparse-method", "kivi", "--sparse-bits", "2",
+                        "--sparse-group", "32", "--sparse-residual", "64", "--sparse-capacity-tokens", "65536"],
+                       request)
+    before = stats(srv)
+    outs = generate(srv, prompts(3000, 4), n=100)
+    assert all(len(r["output_ids"]) == 100 for r in outs)
+    after = stats(srv)
+    written = after["counters"]["kivi_blocks_written"] - before["counters"].get("kivi_blocks_written", 0)
+    assert written >= 4 * (3100 - 64 - 32) // 32
+    assert after["kv_free_slots"] == before["kv_free_slots"] and after["kv_bytes_used"] == before["kv_bytes_used"]
+    assert after["kv_bytes_per_token"] * 5 < after["kv_bytes_per_slot"]
