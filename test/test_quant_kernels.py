@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 import subprocess
 import sys
@@ -34,8 +33,7 @@ if str(PKG_ROOT / "python") not in sys.path:  # the package is used from the che
 from sgl_kernel_sparse import quant as Q  # noqa: E402
 
 
-class Unsupported(Exception):
-    """The interpreter cannot run this case (the reason is reported as the skip reason)."""
+from interpreter_cases import report, results_of, run_cases  # noqa: E402
 
 
 # ============================================================ shared input builders
@@ -422,38 +420,16 @@ CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.start
 
 def _run_cases_here() -> dict:
     """Subprocess side: run every case under the interpreter, report each outcome."""
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    import warnings
-
-    warnings.filterwarnings("ignore", category=RuntimeWarning)  # numpy inf arithmetic in masks
     from sgl_kernel_sparse.triton_fp8 import fp8_decode_attention
     from sgl_kernel_sparse.triton_kivi import kivi_decode_attention
 
-    T = SimpleNamespace(kivi_decode_attention=kivi_decode_attention,
-                        fp8_decode_attention=fp8_decode_attention)
-    out = {}
-    for name, fn in CASES.items():
-        try:
-            fn(T)
-            out[name] = ["ok", ""]
-        except Unsupported as exc:
-            out[name] = ["skip", str(exc)]
-        except Exception as exc:  # noqa: BLE001 - reported to the matching pytest test
-            out[name] = ["fail", f"{type(exc).__name__}: {exc}"]
-    return out
+    return run_cases(CASES, SimpleNamespace(kivi_decode_attention=kivi_decode_attention,
+                                            fp8_decode_attention=fp8_decode_attention))
 
 
 @pytest.fixture(scope="module")
 def interp_results():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(PKG_ROOT / "python"), str(ROOT / "python"), env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, __file__, "--interp"], env=env, capture_output=True,
-                         text=True, timeout=300)
-    marker = "INTERP-RESULTS "
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(marker)]
-    assert res.returncode == 0 and lines, f"interpreter run failed:\n{res.stdout}\n{res.stderr}"
-    return json.loads(lines[-1][len(marker):])
+    return results_of(__file__)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -534,4 +510,4 @@ def test_gpu_quantizers_match_cpu():
 
 
 if __name__ == "__main__" and "--interp" in sys.argv:
-    print("INTERP-RESULTS " + json.dumps(_run_cases_here()), flush=True)
+    report(_run_cases_here())

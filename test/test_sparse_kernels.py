@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import ast
 import json
-import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -239,8 +237,7 @@ def test_bench_exits_clearly_without_cuda(tmp_path):
 # Each case runs in the subprocess (TRITON_INTERPRET=1) with T = sgl_kernel_sparse.triton_ops.
 
 
-class Unsupported(Exception):
-    """The interpreter cannot run this case (the reason is reported as the skip reason)."""
+from interpreter_cases import Unsupported, report, results_of, run_cases  # noqa: E402
 
 
 def case_interpreter_active(T):
@@ -473,35 +470,14 @@ CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.start
 
 def _run_cases_here() -> dict:
     """Subprocess side: run every case under the interpreter, report each outcome."""
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    import warnings
-
-    warnings.filterwarnings("ignore", category=RuntimeWarning)  # numpy inf arithmetic in masks
     from sgl_kernel_sparse import triton_ops as T
 
-    out = {}
-    for name, fn in CASES.items():
-        try:
-            fn(T)
-            out[name] = ["ok", ""]
-        except Unsupported as exc:
-            out[name] = ["skip", str(exc)]
-        except Exception as exc:  # noqa: BLE001 - reported to the matching pytest test
-            out[name] = ["fail", f"{type(exc).__name__}: {exc}"]
-    return out
+    return run_cases(CASES, T)
 
 
 @pytest.fixture(scope="module")
 def interp_results():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(PKG_ROOT / "python"), str(ROOT / "python"), env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, __file__, "--interp"], env=env, capture_output=True,
-                         text=True, timeout=300)
-    marker = "INTERP-RESULTS "
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(marker)]
-    assert res.returncode == 0 and lines, f"interpreter run failed:\n{res.stdout}\n{res.stderr}"
-    return json.loads(lines[-1][len(marker):])
+    return results_of(__file__)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -630,4 +606,4 @@ def test_gpu_dispatch_picks_triton():
 
 
 if __name__ == "__main__" and "--interp" in sys.argv:
-    print("INTERP-RESULTS " + json.dumps(_run_cases_here()), flush=True)
+    report(_run_cases_here())

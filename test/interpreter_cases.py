@@ -1,0 +1,55 @@
+"""Running Triton kernel cases under Triton's CPU interpreter, shared by the kernel test files.
+
+``triton.jit`` reads ``TRITON_INTERPRET`` when a kernel module is imported, so every case of a
+test file runs in *one* subprocess (``python <file> --interp``) with the variable set, and each
+outcome is reported back to its own pytest test: ``results_of(file)`` (pytest side) and
+``run_cases(cases, T)`` + ``report`` (subprocess side)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKER = "INTERP-RESULTS "
+
+
+class Unsupported(Exception):
+    """The interpreter cannot run this case (the reason is reported as the skip reason)."""
+
+
+def run_cases(cases: dict, T) -> dict:
+    """Subprocess side: every case with its kernels namespace ``T``; outcome per case."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    import warnings
+
+    warnings.filterwarnings("ignore", category=RuntimeWarning)  # numpy inf arithmetic in masks
+    out = {}
+    for name, fn in cases.items():
+        try:
+            fn(T)
+            out[name] = ["ok", ""]
+        except Unsupported as exc:
+            out[name] = ["skip", str(exc)]
+        except Exception as exc:  # noqa: BLE001 - reported to the matching pytest test
+            out[name] = ["fail", f"{type(exc).__name__}: {exc}"]
+    return out
+
+
+def report(results: dict) -> None:
+    print(MARKER + json.dumps(results), flush=True)
+
+
+def results_of(test_file: str) -> dict:
+    """Pytest side: run ``test_file --interp`` under the interpreter, return its outcomes."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "sgl-kernel-sparse" / "python"), str(ROOT / "python"),
+                                         str(ROOT / "test"), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, test_file, "--interp"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(MARKER)]
+    assert res.returncode == 0 and lines, f"interpreter run failed:\n{res.stdout}\n{res.stderr}"
+    return json.loads(lines[-1][len(MARKER):])
