@@ -86,7 +86,7 @@ def test_pyramidkv_compacts_per_layer_on_the_gpu_and_resumes_a_chain(model, requ
 
 def test_kivi_decodes_through_the_triton_kernel_and_frees_every_block(model, request):
     srv = start_server(["--model-path", model, *COMMON, "--sparse-method", "kivi", "--sparse-bits", "2",
-                        "--sparse-group", "32", "--sparse-residual", "64", "--sparse-capacity-tokens", "65536"],
+                        "--sparse-group", "32", "--sparse-residual", "64"],
                        request)
     before = stats(srv)
     outs = generate(srv, prompts(3000, 4), n=100)

@@ -19,7 +19,7 @@ G, R = 8, 16
 def test_kivi_blocks_equal_the_reference_and_decode_reads_them(bits):
     length = 100
     q, k, v = qkv(length, seed=21)
-    eng = ToyEngine("kivi", {"bits": bits, "group": G, "residual": R, "capacity_tokens": 256})
+    eng = ToyEngine("kivi", {"bits": bits, "group": G, "residual": R})
     rt = eng.ctl.runtime
     free0, blocks0 = eng.store.free_count(), rt.blocks.free_count()
     eng.prefill("a", 0, q, k, v, chunk=32)
@@ -77,7 +77,11 @@ def test_kivi_bytes_per_token_and_validation():
     eng = ToyEngine("kivi", {"bits": 2, "group": G})
     d = eng.store.k.shape[-1]  # 8
     per_layer_head = 2 * d * 2 / 8 + 2 * 2 * d / G + 2 * 2 * d / G  # codes + fp16 scale/min of K and V
-    assert eng.ctl.runtime.blocks.bytes_per_token() == LAYERS * HKV * per_layer_head
+    blocks = eng.ctl.runtime.blocks
+    assert blocks.bytes_per_token() == LAYERS * HKV * per_layer_head
+    assert blocks.bytes_per_block() == blocks.block_bytes(LAYERS, HKV, d, 2, G)
+    with pytest.raises(ConfigError, match="fp_fraction=1.0 is out of range"):
+        build_config("kivi", {"fp_fraction": 1.0})
     with pytest.raises(ConfigError, match="bits=3 is not supported: must be 2 or 4"):
         build_config("kivi", {"bits": 3})
     with pytest.raises(ConfigError, match="group=24 must be a power of two"):

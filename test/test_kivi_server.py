@@ -16,9 +16,10 @@ import requests
 from conftest import start_server
 
 PROMPT, NEW, G, R = 2048, 24, 64, 32
-ARGS = ["--max-total-tokens", "4096", "--chunked-prefill-size", "1024", "--log-level", "warning",
+POOL = 8192  # tokens of the model's bf16 KV: half stays SGLang's slots, half is the block store
+ARGS = ["--max-total-tokens", str(POOL), "--chunked-prefill-size", "1024", "--log-level", "warning",
         "--sparse-method", "kivi", "--sparse-bits", "2", "--sparse-group", str(G), "--sparse-residual", str(R),
-        "--sparse-capacity-tokens", "4096"]
+        "--sparse-fp-fraction", "0.5"]
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,10 @@ def test_two_bit_history_takes_a_fifth_of_the_bf16_bytes(server):
     idle = stats(server)
     per_bf16 = idle["kv_bytes_per_slot"]  # the engine pool: the model's bf16 KV
     assert idle["kv_bytes_per_token"] * 5 < per_bf16  # the quantized representation, per token
+    # the pool SGLang sized is the store: half its bytes as slots, the other half as blocks
+    assert idle["kv_total_slots"] == POOL // 2
+    block = idle["kv_bytes_per_token"] * G
+    assert POOL * per_bf16 - block < idle["kv_bytes_total"] <= POOL * per_bf16
     ids = [1000 + (7 * j) % 20000 for j in range(PROMPT)]
     out, samples = {}, []
 

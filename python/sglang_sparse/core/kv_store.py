@@ -57,6 +57,10 @@ class KVStore(Protocol):
     def table_shape(self) -> tuple[int, int]:
         """``(request rows, max rows per request)`` of the engine's slot table."""
 
+    def payload_budget_bytes(self) -> int | None:
+        """Bytes of the engine's pool given to a method's own store (``pool_split``); None: the
+        engine kept them all."""
+
 
 class TensorKVStore:
     """Slot pool + slot table + free list, all plain tensors. KV is allocated in pages of
@@ -117,6 +121,9 @@ class TensorKVStore:
 
     def table_shape(self) -> tuple[int, int]:
         return tuple(self.table.shape)
+
+    def payload_budget_bytes(self) -> int | None:
+        return None
 
     def flat_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k.view(-1, *self.k.shape[2:]), self.v.view(-1, *self.v.shape[2:])

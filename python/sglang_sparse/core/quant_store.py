@@ -44,6 +44,14 @@ class QuantizedBlockStore:
         self.v_min = tensors(group, head_dim // group, dtype=SCALE_DTYPE)
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
 
+    @staticmethod
+    def block_bytes(num_layers: int, kv_heads: int, head_dim: int, bits: int, group: int) -> int:
+        """Bytes of one block: packed K and V codes + fp16 key scale/min per channel + fp16 value
+        scale/min per token and channel group, over every layer and KV head."""
+        codes = 2 * group * head_dim * bits // 8
+        scales = 2 * 2 * head_dim + 2 * 2 * group * (head_dim // group)
+        return num_layers * kv_heads * (codes + scales)
+
     # -- allocation ----------------------------------------------------------------------------
     def free_count(self) -> int:
         return len(self._free)

@@ -71,6 +71,12 @@ class SparseMethodRuntime:
         return any(getattr(cls, h) is not getattr(SparseMethodRuntime, h) for h in DECODE_LAYER_HOOKS)
 
     @staticmethod
+    def pool_split(config) -> float | None:
+        """A method with its own KV store: the fraction of the pool's bytes the engine keeps as
+        full-precision slots (the rest is the method's store); None: the engine keeps all."""
+        return None
+
+    @staticmethod
     def required_kv_cache_dtype(config) -> str | None:
         """The engine's KV storage dtype this configuration needs (SGLang's ``--kv-cache-dtype``
         where it serves the payload, e.g. ``fp8_e4m3``); None: the model's."""

@@ -17,10 +17,12 @@ Attention in decode reads the dequantized blocks and the residual in one kernel
 (``kernels.quantized.kivi_decode``; Triton dequantizes in registers on CUDA), per layer in Python
 (eager: no decode CUDA graphs yet).
 
-Memory: the residual is in SGLang's slots (what ``kv_total_slots`` counts), the blocks in the
-block store sized by ``capacity_tokens``; ``/sparse/stats`` adds both in bytes. When the block
-store is full a request keeps its tokens in full precision (``kivi_store_full`` counts it) and
-SGLang's own memory checks apply to its rows. Chain Cache, the radix cache and ``/prune`` are not
+Memory: the pool SGLang sizes (``--max-total-tokens``, ``--mem-fraction-static``) is split by
+bytes (``engine/payload_pool.py``): ``fp_fraction`` of it stays SGLang's full-precision slots
+(prompts being prefilled, residual windows: what ``kv_total_slots`` and admission count), the
+rest is the block store; ``/sparse/stats`` adds both in bytes. When the block store is full a
+request keeps its tokens in full precision (``kivi_store_full`` counts it) and SGLang's own memory
+checks apply to its rows: admission does not count blocks yet. Chain Cache, the radix cache and ``/prune`` are not
 supported with KIVI yet (the launcher turns the radix cache off and refuses ``--chain-cache on``).
 """
 
@@ -43,7 +45,7 @@ class KIVIConfig:
     bits: int = 2
     group: int = 32
     residual: int = 128
-    capacity_tokens: int = 65536
+    fp_fraction: float = 0.25
 
     def validate(self) -> None:
         if self.bits not in (2, 4):
@@ -52,12 +54,18 @@ class KIVIConfig:
         if self.group & (self.group - 1):
             raise ConfigError(f"group={self.group} must be a power of two (the kernel's tile)")
         check_range("residual", self.residual, 1)
-        check_range("capacity_tokens", self.capacity_tokens, self.group)
+        if not 0.0 < self.fp_fraction < 1.0:
+            raise ConfigError(f"fp_fraction={self.fp_fraction} is out of range: must be in (0, 1), the share "
+                              "of the pool's bytes kept as full-precision slots")
 
 
 @register_method("kivi", "quantization", KIVIConfig, "2/4-bit KV (keys per channel, values per token) + fp residual")
 class KIVIRuntime(EvictingRuntime):
     supports_chains = False
+
+    @staticmethod
+    def pool_split(config: KIVIConfig) -> float:
+        return config.fp_fraction
 
     def __init__(self, cache, config: KIVIConfig | None = None) -> None:
         self.config = config or KIVIConfig()
@@ -67,7 +75,11 @@ class KIVIRuntime(EvictingRuntime):
         k0, store = cache.store.k_buffer(0), cache.store
         if k0.shape[-1] % c.group:
             raise ConfigError(f"group={c.group} must divide head_dim {k0.shape[-1]}")
-        self.blocks = QuantizedBlockStore(store.num_layers, k0.shape[1], k0.shape[2], c.capacity_tokens // c.group,
+        per_block = QuantizedBlockStore.block_bytes(store.num_layers, k0.shape[1], k0.shape[2], c.bits, c.group)
+        budget = store.payload_budget_bytes()  # the pool's bytes SGLang left to this store
+        if budget is None:  # an engine without the split (the toy engine): as many bytes as its slots
+            budget = store.free_count() * store.bytes_per_slot()
+        self.blocks = QuantizedBlockStore(store.num_layers, k0.shape[1], k0.shape[2], max(1, budget // per_block),
                                           c.bits, c.group, k0.device)
         rows, max_len = store.table_shape()
         # block_table[engine row, j]: the j-th block of the request on that row (kernel input)

@@ -15,6 +15,7 @@ in, the condition, and why. Kinds:
 Conditions: ``cpu`` (CPU serving, even for plain ``sglang.launch_server``: SGLang 0.5.23 needs it
 there), ``active`` (a server started by ``sglang_sparse.launch_server``), ``evicting`` (its
 method evicts KV), ``per_layer_rows`` (its method compacts per layer: one flat KV allocation),
+``payload_pool`` (its method keeps KV in its own store: a share of the pool's bytes),
 ``chain_cache`` (Chain Cache on), ``check_integrity``
 (``SGLANG_SPARSE_CHECK_INTEGRITY=1``). Every entry was checked against ``SGLANG_VERSION``.
 ``GET /sparse/info`` lists what each process applied.
@@ -38,7 +39,7 @@ class Patch:
     target: str
     handler: str  # "module:attribute" under sglang_sparse.srt ("" for listed kinds)
     process: str  # "all" | "main" | "scheduler"
-    when: str  # "cpu" | "active" | "evicting" | "per_layer_rows" | "chain_cache" | "check_integrity"
+    when: str  # "cpu" | "active" | "evicting" | "per_layer_rows" | "payload_pool" | "chain_cache" | "check_integrity"
     why: str
     methods: tuple[str, ...] = ()  # routes
     applied_by: str = ""  # listed kinds: the patch whose handler does it
@@ -100,6 +101,13 @@ PATCHES: tuple[Patch, ...] = (
           "engine.flat_pool:around_create_buffers", "scheduler", "per_layer_rows",
           "allocate every layer's K (and V) as one tensor, so a layer's kept rows can live in cells of "
           "another layer's part and per-layer budgets free whole slots (docs/kv_payload.md)"),
+    Patch("hook:payload-pool-size", "around", f"{S}model_executor.pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes",
+          "engine.payload_pool:around_pool_sizes", "scheduler", "payload_pool",
+          "a method with its own KV store (KIVI) gets its share of the pool's bytes; SGLang keeps the rest as slots"),
+    Patch("hook:payload-pool-size-tokens", "around",
+          f"{S}model_executor.pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes_from_max_tokens",
+          "engine.payload_pool:around_pool_sizes_from_max_tokens", "scheduler", "payload_pool",
+          "the same split when the pool is given in tokens (--max-total-tokens)"),
     Patch("hook:extend-rows", "after", f"{BATCH}.prepare_for_extend", "engine.rows:after_prepare_for_extend",
           "scheduler", "active", "an extend after fewer rows than logical tokens: slots move to the real rows"),
     # -- scheduler: admission by the MemoryOracle (methods that evict) ---------------------------------

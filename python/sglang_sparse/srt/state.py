@@ -65,6 +65,8 @@ class SchedulerState:
     # per-layer-row methods: K and V of every layer in one tensor [2, layers, slots, H, D]
     # (engine/flat_pool.py); the pool's k_buffer[l] / v_buffer[l] are views of it
     flat_kv: torch.Tensor | None = None
+    # methods with their own KV store: the pool bytes SGLang left them (engine/payload_pool.py)
+    payload_budget_bytes: int | None = None
 
 
 @dataclass

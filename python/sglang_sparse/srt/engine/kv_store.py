@@ -56,3 +56,7 @@ class SGLangKVStore:
 
     def table_shape(self) -> tuple[int, int]:
         return tuple(self.req_to_token.shape)
+
+    def payload_budget_bytes(self) -> int | None:
+        """Bytes of the pool left to the method's own store (engine/payload_pool.py)."""
+        return STATE.scheduler.payload_budget_bytes
