@@ -83,13 +83,8 @@ class CacheManager:
             # row i of KV head h takes the entry of row src_rows[l, h, i] (sources read first:
             # they overlap the destinations)
             self.store.move_kv(layer, slots[src_rows[layer].to(slots.device)], slots[:budget])
-        freed = slots[budget:].clone()
         ret.keep(keep)
-        self.store.truncate_rows(state.req_row, budget)
-        self.store.free_slots(freed)
-        self.counters["compactions"] += 1
-        self.counters["slots_released"] += len(freed)
-        return len(freed)
+        return self._release_rows(state, slots, budget)
 
     def compact_layers(self, rid: str, keep: list[torch.Tensor]) -> int:
         """Per-layer budgets: layer l keeps the positions ``keep[l]`` (``[kv_heads, B_l]``,
@@ -106,7 +101,7 @@ class CacheManager:
         if engine_rows >= ret.n_rows:
             return 0
         slots = self._resident_slots(state)
-        src = torch.cat([self.layer_cells(rid, layer)[ret.layer_rows_of(layer, keep[layer])]
+        src = torch.cat([self._layer_cells(ret, layer, slots)[ret.layer_rows_of(layer, keep[layer])]
                          for layer in range(layers)], dim=1)  # [kv_heads, T] source cells
         kept_slots = slots[:engine_rows]
         own = [store.cells(layer, kept_slots[: min(b, engine_rows)]) for layer, b in enumerate(budgets)]
@@ -120,10 +115,15 @@ class CacheManager:
         flat_k, flat_v = store.flat_kv()
         # one move over every layer: all sources are read before any destination is written
         compact_kv(flat_k, flat_v, src.to(flat_k.device), torch.cat(dst).to(flat_k.device))
-        freed = slots[engine_rows:].clone()
         ret.keep_layers(keep, [d.cpu() for d in dst], engine_rows)
-        store.truncate_rows(state.req_row, engine_rows)
-        store.free_slots(freed)
+        return self._release_rows(state, slots, engine_rows)
+
+    def _release_rows(self, state: RequestState, slots: torch.Tensor, rows: int) -> int:
+        """After a compaction: the request keeps engine rows ``[0, rows)``; the slots of the
+        others (``slots`` are its resident slots before) go back to the allocator."""
+        freed = slots[rows:].clone()
+        self.store.truncate_rows(state.req_row, rows)
+        self.store.free_slots(freed)
         self.counters["compactions"] += 1
         self.counters["slots_released"] += len(freed)
         return len(freed)
@@ -131,8 +131,10 @@ class CacheManager:
     def layer_cells(self, rid: str, layer: int) -> torch.Tensor:
         """Flat cells of a request's rows in ``layer``, in row order (``layer_len`` of them)."""
         state = self.requests[rid]
-        ret = state.retained
-        slots = self._resident_slots(state)
+        return self._layer_cells(state.retained, layer, self._resident_slots(state))
+
+    def _layer_cells(self, ret: RetainedMap, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """``layer_cells`` given the request's resident slots (read once per compaction)."""
         if not ret.per_layer:
             return self.store.cells(layer, slots)
         tail = self.store.cells(layer, slots[ret.compacted_rows:])
