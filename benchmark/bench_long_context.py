@@ -66,6 +66,8 @@ def variant(name: str, budget: int) -> tuple[str, list[str]]:
         "streamingllm": ["--sparse-method", "streamingllm", "--sparse-sinks", "4", "--sparse-recent",
                          str(budget - 4), "--sparse-evict-every", "16", "--chain-cache", "off"],
         "fp8": ["--sparse-method", "fp8", "--page-size", "16"],
+        # 2-bit, G = 32, R = 128; a quarter of the pool's bytes stays full-precision slots
+        "kivi": ["--sparse-method", "kivi", "--sparse-bits", "2", "--chain-cache", "off"],
     }[name]
     return ("sglang.launch_server" if name == "plain" else "sglang_sparse.launch_server"), flags
 
@@ -171,6 +173,16 @@ def capacity_batch(name: str, args) -> int:
         return (pool - L) // (rows + N) + 1
     if name == "streamingllm":
         return (pool - L) // (args.budget + 16) + 1
+    if name == "kivi":  # every request's history in 2-bit blocks (3/4 of the pool's bytes)
+        from sglang_sparse.core.quant_store import QuantizedBlockStore
+        from sglang_sparse.methods.kivi import KIVIConfig
+
+        cfg, c = json.loads((Path(args.model_path) / "config.json").read_text()), KIVIConfig()
+        layers, heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
+        d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        fp_bytes = 2 * 2 * layers * heads * d  # bf16 K and V of one token
+        blocks = int(pool * fp_bytes * (1 - c.fp_fraction)) // QuantizedBlockStore.block_bytes(layers, heads, d, 2, c.group)
+        return blocks // -(-(L + N) // c.group)
     return pool // (L + N)
 
 

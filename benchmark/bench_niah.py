@@ -105,7 +105,10 @@ def main() -> None:
     results: dict[str, dict] = {}
     for name in args.configs:
         t0 = time.monotonic()
-        flags = CONFIGS[name] + ["--max-total-tokens", str(pool), "--log-level", "warning"]
+        # KIVI keeps a quarter of the pool's bytes as full-precision slots (prompts are prefilled
+        # in full precision): 4x the bytes give it the same slots as every other config
+        scale = 4 if "--sparse-bits" in CONFIGS[name] else 1
+        flags = CONFIGS[name] + ["--max-total-tokens", str(scale * pool), "--log-level", "warning"]
         with ServerProcess(flags) as srv:
             with ThreadPoolExecutor(args.parallel) as ex:
                 answers = dict(zip(cells, ex.map(lambda c: ask(srv.base_url, prompts[c]), cells)))

@@ -107,7 +107,8 @@ def test_pyramid_budgets_follow_the_formula(L, C, w, layers):
 def test_pyramidkv_keeps_reference_indices_per_layer_and_frees_each_layers_drops(chunk):
     from sgl_kernel_sparse import reference
 
-    from sglang_sparse.kernels.decode import decode_over_views
+    from sglang_sparse.core.events import RequestSlice
+    from sglang_sparse.kernels.decode import decode_over_cells, decode_over_views
     import single_request as one
 
     length, budget, window = 100, 24, 8
@@ -141,9 +142,15 @@ def test_pyramidkv_keeps_reference_indices_per_layer_and_frees_each_layers_drops
     ret = eng.ctl.cache.retained("a")
     assert (ret.n_rows, ret.logical_len) == (engine_rows + 1, length + 1)
     flat_k, flat_v = eng.store.flat_kv()
+    batch = eng.decode_batch(0, [RequestSlice("a", 0, length, length + 1, engine_rows, length)], dq, dk)
     for layer, view in eng.views:
-        assert type(view).__name__ == "LayerRowsView"
-        c = view.cells[0]
+        # the graph-safe view: device tables name exactly this layer's cells, in row order
+        assert type(view).__name__ == "CellsDecodeView" and view.layer == layer
+        t = view.tables
+        c, valid = reference.cell_table_cells(batch.table, batch.req_rows, batch.n_rows, t.entries, t.offset,
+                                              t.count, t.packed_rows, layer, t.slots_per_layer)
+        assert bool(valid.all()) and torch.equal(c[0], eng.ctl.cache.layer_cells("a", layer))
+        c = c[0]
         assert c.numel() == budgets[layer] + 1
         full_k, full_v = torch.cat([k[layer], dk[layer]]), torch.cat([v[layer], dv[layer]])
         mask = torch.zeros(q[0].shape[1], length + 1, dtype=torch.bool)
@@ -156,8 +163,47 @@ def test_pyramidkv_keeps_reference_indices_per_layer_and_frees_each_layers_drops
                                 [torch.arange(n).expand(mask.shape[0], n)],
                                 [torch.ones(mask.shape[0], n, dtype=torch.bool)], [n], 1 / k[0].shape[-1] ** 0.5)[0]
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        fused = decode_over_cells(dq[layer], flat_k, flat_v, batch.table, batch.req_rows, batch.n_rows, t, layer,
+                                  1 / k[0].shape[-1] ** 0.5)[0]  # the kernel the server runs
+        torch.testing.assert_close(fused, want, rtol=1e-5, atol=1e-5)
     eng.finish("a", 0)
     assert eng.store.free_count() == free0
+    assert int(t.count[0].sum()) == int(t.packed_rows[0]) == 0  # the row reads its slot table again
+
+
+def test_pyramidkv_tables_follow_row_reuse_and_chain_attach():
+    """The device tables (CellTables) are cleared when a compacted request's row is reused, and
+    rebuilt from a resumed map (Chain Cache attach) on the new row."""
+    from sgl_kernel_sparse import reference
+
+    q, k, v = qkv(100, seed=15)
+    eng = ToyEngine("pyramidkv", {"budget": 24, "window": 8, "kernel": 5})
+    t = eng.ctl.cache.cell_tables
+    eng.prefill("a", 0, q, k, v, 1000)
+    ret, meta = eng.ctl.cache.retained("a"), dict(eng.ctl.cache.requests["a"].metadata)
+    assert ret.per_layer and int(t.packed_rows[0]) == ret.compacted_rows > 0
+    slots = eng.store.row_slots(0, 0, ret.n_rows).clone()
+
+    def view_cells(row, n_rows, layer):
+        c, valid = reference.cell_table_cells(eng.store.table, torch.tensor([row]), torch.tensor([n_rows]),
+                                              t.entries, t.offset, t.count, t.packed_rows, layer, t.slots_per_layer)
+        return c[0][valid[0]]
+
+    want = [eng.ctl.cache.layer_cells("a", layer) for layer in range(LAYERS)]
+    # a chain resumes on another row: detach "a" without freeing (the chain holds the slots)
+    eng.ctl.request_finished("a")
+    assert int(t.packed_rows[0]) == 0 and int(t.count[0].sum()) == 0
+    eng.store.table[3, : slots.numel()] = slots
+    eng.ctl.request_resumed("b", 3, 100, ret, meta)
+    for layer in range(LAYERS):
+        assert torch.equal(view_cells(3, ret.n_rows, layer), want[layer])
+    # row 0 now serves a short request: its view is its slot table, in every layer
+    eng.store.release_row(0)
+    short = [x[:10] for x in qkv(10, seed=16)[0]], [x[:10] for x in qkv(10, seed=16)[1]], \
+        [x[:10] for x in qkv(10, seed=16)[2]]
+    eng.prefill("c", 0, *short, 1000)
+    for layer in range(LAYERS):
+        assert torch.equal(view_cells(0, 10, layer), eng.store.cells(layer, eng.store.row_slots(0, 0, 10)))
 
 
 def test_pyramidkv_frees_about_what_snapkv_frees_at_the_same_average_budget():

@@ -4,8 +4,11 @@ on the default model's shape with random weights (see test_gpu_server.py):
 - StreamingLLM evicts while decoding inside SGLang's decode CUDA graphs (compaction at the safe
   point, between graph replays) and gives the eager tokens; kv_bytes_used stays bounded;
 - PyramidKV compacts per layer on the flat GPU pool (one Triton ``compact_kv`` over every layer)
-  and decodes over per-layer cells through the Triton sparse decode kernel; a chain resumes over
-  them; every slot comes back."""
+  and decodes over per-layer cells through the Triton cells kernel inside the decode CUDA graphs
+  (no Python per decode layer once captured), with the eager tokens; a chain resumes over them;
+  every slot comes back;
+- KIVI decodes through the Triton kernel inside the decode CUDA graphs, with the eager tokens,
+  and frees every block and slot."""
 
 from __future__ import annotations
 
@@ -61,19 +64,36 @@ def test_streamingllm_graphs_equal_eager_and_memory_stays_bounded(model, request
     assert [r["output_ids"] for r in generate(eager, batch, n=300)] == got
 
 
-def test_pyramidkv_compacts_per_layer_on_the_gpu_and_resumes_a_chain(model, request):
+def graphs_equal_eager(model, request, flags, batch, n):
+    """Generate ``batch`` on a server with decode CUDA graphs and on an eager one: the tokens agree
+    and, once captured, the graph server ran no Python per decode layer."""
+    graphs = start_server(["--model-path", model, *COMMON, *flags], request)
+    before = stats(graphs)
+    got = generate(graphs, batch, n=n)
+    after = stats(graphs)
+    calls = [s["counters"].get("decode_layer_python_calls", 0) for s in (before, after)]
+    assert calls[1] == calls[0], f"decode ran Python per layer under CUDA graphs: {calls}"
+    graphs.stop()
+    eager = start_server(["--model-path", model, *COMMON, *flags, "--disable-cuda-graph"], request)
+    e_before = stats(eager)
+    assert [r["output_ids"] for r in generate(eager, batch, n=n)] == [r["output_ids"] for r in got]
+    assert stats(eager)["counters"]["decode_layer_python_calls"] > e_before["counters"].get(
+        "decode_layer_python_calls", 0)  # the counter does count eager decode layers
+    eager.stop()
+    return got, before, after
+
+
+def test_pyramidkv_decodes_in_graphs_compacts_per_layer_and_resumes_a_chain(model, request):
     budget = 256
-    srv = start_server(["--model-path", model, *COMMON, "--sparse-method", "pyramidkv",
-                        "--sparse-budget", str(budget)], request)
-    before = stats(srv)
-    outs = generate(srv, prompts(4000, 4), n=32)
+    flags = ["--sparse-method", "pyramidkv", "--sparse-budget", str(budget)]
+    outs, before, after = graphs_equal_eager(model, request, [*flags, "--chain-cache", "off"],
+                                             prompts(4000, 4), 32)
     assert all(len(r["output_ids"]) == 32 for r in outs)
-    for r in outs:
-        requests.delete(f"{srv.base_url}/chain/{r['meta_info']['chain_id']}", timeout=60)
-    after = stats(srv)
     released = after["counters"]["slots_released"] - before["counters"]["slots_released"]
     assert released >= 0.9 * 4 * (4000 - budget)  # what SnapKV at the same budget frees
     assert after["kv_free_slots"] == before["kv_free_slots"] and after["integrity"]["ok"]
+    srv = start_server(["--model-path", model, *COMMON, *flags], request)  # chains on
+    start = stats(srv)
     p1 = prompts(3000, 1)[0]
     o1 = generate(srv, p1, 8)
     cid = o1["meta_info"]["chain_id"]
@@ -81,17 +101,13 @@ def test_pyramidkv_compacts_per_layer_on_the_gpu_and_resumes_a_chain(model, requ
     assert (o2["meta_info"]["chain_status"], o2["meta_info"]["reused_tokens"]) == ("resumed", 3007)
     requests.delete(f"{srv.base_url}/chain/{cid}", timeout=60)
     end = stats(srv)
-    assert end["kv_free_slots"] == before["kv_free_slots"] and end["integrity"]["ok"]
+    assert end["kv_free_slots"] == start["kv_free_slots"] and end["integrity"]["ok"]
 
 
-def test_kivi_decodes_through_the_triton_kernel_and_frees_every_block(model, request):
-    srv = start_server(["--model-path", model, *COMMON, "--sparse-method", "kivi", "--sparse-bits", "2",
-                        "--sparse-group", "32", "--sparse-residual", "64"],
-                       request)
-    before = stats(srv)
-    outs = generate(srv, prompts(3000, 4), n=100)
+def test_kivi_decodes_in_graphs_through_the_triton_kernel_and_frees_every_block(model, request):
+    flags = ["--sparse-method", "kivi", "--sparse-bits", "2", "--sparse-group", "32", "--sparse-residual", "64"]
+    outs, before, after = graphs_equal_eager(model, request, flags, prompts(3000, 4), 100)
     assert all(len(r["output_ids"]) == 100 for r in outs)
-    after = stats(srv)
     written = after["counters"]["kivi_blocks_written"] - before["counters"].get("kivi_blocks_written", 0)
     assert written >= 4 * (3100 - 64 - 32) // 32
     assert after["kv_free_slots"] == before["kv_free_slots"] and after["kv_bytes_used"] == before["kv_bytes_used"]

@@ -1,8 +1,9 @@
 """PyramidKV through the real server (CPU): per-layer budgets free each layer's own dropped rows
 (at least 90% of what SnapKV at the same average budget frees on the same prompts: exactly
 ``prompt - budget`` slots each, test_snapkv_server.py), concurrent requests leave no slot
-behind, and a chain resumes across turns over the per-layer rows (the suffix attends them
-through ``LayerRowsView`` cells)."""
+behind (and their engine rows serve later requests with no trace of their per-layer tables), and
+a chain resumes across turns over the per-layer rows (the suffix attends them through
+``LayerRowsView`` cells; decode reads them through ``CellTables``)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,17 @@ def idle_rows_accounted(server):
     return s
 
 
+def short_outputs(server) -> list:
+    """Prompts within the budget, one at a time (never compacted: their decode reads the slot
+    table through the cells kernel with empty per-layer tables)."""
+    outs = [gen(server, ids(40 + 5 * i, 50 + i), 6) for i in range(4)]
+    for o in outs:  # their chains would hold rows the later tests count
+        requests.delete(f"{server.base_url}/chain/{o['meta_info']['chain_id']}", timeout=60)
+    return [o["output_ids"] for o in outs]
+
+
 def test_per_layer_budgets_free_what_snapkv_frees_and_nothing_leaks(server):
+    fresh = short_outputs(server)
     before = stats(server)
     prompts = [ids(n, seed) for seed, n in enumerate((300, 520, 777, 1000))]
     errors = []
@@ -74,6 +85,8 @@ def test_per_layer_budgets_free_what_snapkv_frees_and_nothing_leaks(server):
     assert released >= 0.9 * snapkv_would_free, (released, snapkv_would_free)
     freed_bytes = released * after["kv_bytes_per_token"]
     assert freed_bytes >= 0.9 * snapkv_would_free * after["kv_bytes_per_token"]
+    # the rows the compacted requests used serve new requests with no trace of their tables
+    assert short_outputs(server) == fresh
 
 
 def test_a_chain_resumes_over_per_layer_rows(server):

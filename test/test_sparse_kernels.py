@@ -243,9 +243,10 @@ from interpreter_cases import Unsupported, report, results_of, run_cases  # noqa
 def case_interpreter_active(T):
     from triton.runtime.interpreter import InterpretedFunction
 
-    from sgl_kernel_sparse import triton_compact, triton_decode, triton_quest, triton_snapkv
+    from sgl_kernel_sparse import triton_cells, triton_compact, triton_decode, triton_quest, triton_snapkv
 
     kernels = [triton_decode._decode_partial_kernel, triton_decode._decode_reduce_kernel,
+               triton_cells._cells_partial_kernel,
                triton_quest._quest_scores_kernel,
                triton_snapkv._snapkv_lse_kernel, triton_snapkv._snapkv_score_kernel,
                triton_compact._copy_rows_kernel]
@@ -465,6 +466,78 @@ def case_compact_disjoint_fast_path(T):
     assert torch.equal(k, kr) and torch.equal(v, vr)
 
 
+def cells_inputs(hq, hkv, d, layers, dtype, seed, packed, tails, ctx=64, slots=160):
+    """A per-layer packed layout (PyramidKV's): request b on row ``2 b + 1`` owns its first
+    ``packed[b]`` slots (K) and ``tails[b]`` more; layer l keeps ``B_l`` rows (sum <= K * layers)
+    in distinct cells of its own K slots, and the packed list is stored at the request's own
+    cells (entry e at ``(e // K) * slots + slot[e % K]``). Returns the kernel arguments and, per
+    (request, layer), the cells a decode must read, written out from the definition."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(packed)
+    flat_k = torch.randn(layers * slots, hkv, d, generator=g).to(dtype)
+    flat_v = torch.randn(layers * slots, hkv, d, generator=g).to(dtype)
+    q = torch.randn(b, hq, d, generator=g).to(dtype)
+    rows = 2 * b + 2
+    r2t = torch.zeros(rows, ctx, dtype=torch.int32)
+    entries = torch.full((layers * slots,), -1, dtype=torch.int32)
+    offset = torch.zeros(rows, layers, dtype=torch.int32)
+    count = torch.zeros(rows, layers, dtype=torch.int32)
+    packed_rows = torch.zeros(rows, dtype=torch.int32)
+    free = torch.randperm(slots, generator=g)
+    want, used = {}, 0
+    for i, (kp, tail) in enumerate(zip(packed, tails)):
+        row = 2 * i + 1
+        mine = free[used: used + kp + tail]
+        used += kp + tail
+        r2t[row, : kp + tail] = mine.to(torch.int32)
+        own = torch.stack([layer * slots + mine[:kp] for layer in range(layers)]).flatten()
+        own = own[torch.randperm(own.numel(), generator=g)]  # rows anywhere in the own cells
+        total = int(torch.randint(kp * layers // 2, kp * layers + 1, (1,), generator=g)) if kp else 0
+        cuts = sorted(torch.randint(0, total + 1, (layers - 1,), generator=g).tolist())
+        budgets = torch.tensor([b - a for a, b in zip([0, *cuts], [*cuts, total])])  # uneven, sum <= K * layers
+        lists, at = [], 0
+        for layer in range(layers):
+            lists.append(own[at: at + int(budgets[layer])])
+            at += int(budgets[layer])
+        flat = torch.cat(lists)
+        e = torch.arange(flat.numel())
+        if kp:
+            entries[(e // kp) * slots + mine[:kp][e % kp]] = flat.to(torch.int32)
+        count[row] = budgets.to(torch.int32)
+        offset[row] = (torch.cumsum(budgets, 0) - budgets).to(torch.int32)
+        packed_rows[row] = kp
+        for layer in range(layers):
+            want[i, layer] = torch.cat([lists[layer], layer * slots + mine[kp:]])
+    req_rows = torch.arange(1, 2 * b + 1, 2)
+    seq_lens = torch.tensor([kp + t for kp, t in zip(packed, tails)], dtype=torch.int32)
+    return (q, flat_k, flat_v, r2t, req_rows, seq_lens, entries, offset, count, packed_rows, slots), want
+
+
+def _cells_case(T, dtype, hq, hkv, d, seed, packed=(5, 0, 9), tails=(3, 7, 1)):
+    args, want_cells = cells_inputs(hq, hkv, d, 3, dtype, seed, list(packed), list(tails))
+    q, flat_k, flat_v, r2t, req_rows, seq_lens, entries, offset, count, packed_rows, slots = args
+    for layer in range(3):
+        cells, valid = R.cell_table_cells(r2t, req_rows, seq_lens, entries, offset, count, packed_rows,
+                                          layer, slots)
+        for i in range(len(packed)):  # the reference's index chain equals the layout's definition
+            n = int(valid[i].sum())
+            assert bool(valid[i, :n].all()) and torch.equal(cells[i, :n], want_cells[i, layer])
+        want = R.cells_decode_attention(q, flat_k, flat_v, r2t, req_rows, seq_lens, entries, offset, count,
+                                        packed_rows, layer, slots)
+        for splits in (1, 3):
+            got = T.cells_decode_attention(q, flat_k, flat_v, r2t, req_rows, seq_lens, entries, offset, count,
+                                           packed_rows, layer, slots, num_splits=splits, block_n=4)
+            close(got, want, dtype, f"layer {layer} splits={splits}")
+
+
+def case_cells_fp32_gqa2(T):
+    _cells_case(T, torch.float32, 4, 2, 32, 60)
+
+
+def case_cells_bf16_mha_d48_empty_request(T):
+    _cells_case(T, torch.bfloat16, 2, 2, 48, 61, packed=(0, 4), tails=(0, 2))  # request 0 reads nothing
+
+
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
@@ -521,6 +594,21 @@ def test_gpu_sparse_decode(dtype, hq, hkv, d, n):
     for splits in (None, 1, 7):
         got = T.sparse_decode_attention(q, k, v, r2t, req_rows, rows, valid, num_splits=splits)
         close(got, want, dtype, f"splits={splits}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_cells_decode(dtype):
+    """PyramidKV's decode kernel at a real shape: 1,000-3,000 packed rows, long and empty tails."""
+    from sgl_kernel_sparse import triton_ops as T
+
+    cpu, _ = cells_inputs(32, 8, 128, 4, dtype, 400, [1000, 3000, 0, 50], [10, 900, 5, 0], ctx=4096, slots=8000)
+    args = [t.cuda() if isinstance(t, torch.Tensor) else t for t in cpu]
+    for layer in range(4):
+        want = R.cells_decode_attention(*args[:10], layer, args[10])
+        for splits in (None, 1, 5):
+            got = T.cells_decode_attention(*args[:10], layer, args[10], num_splits=splits)
+            close(got, want, dtype, f"layer {layer} splits={splits}")
 
 
 @pytest.mark.gpu

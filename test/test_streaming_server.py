@@ -71,3 +71,31 @@ def test_bad_options_are_refused_with_a_sentence():
         build_config("streamingllm", {"recent": 0})
     with pytest.raises(ConfigError, match="evict_every=0 is out of range"):
         build_config("streamingllm", {"evict_every": 0})
+
+
+def test_running_requests_reserve_only_up_to_their_row_cap(server):
+    """Admission: a running StreamingLLM request never grows past sinks + recent + evict_every
+    rows, so it reserves at most that (``MemoryOracle.growth_left``), not every token it may still
+    decode. Three requests with 200-token outputs then run together in a 160-slot pool; with
+    SGLang's own reservation (200 rows each) the first one would keep the others waiting."""
+    free0 = stats(server)["kv_free_slots"]
+    body = {"text": "Tell me a story.", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True,
+                                                             "temperature": 0}}
+    outs = []
+
+    def run():
+        outs.append(requests.post(server.base_url + "/generate", json=body, timeout=1800))
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    peak = 0
+    while any(t.is_alive() for t in threads):
+        peak = max(peak, stats(server)["running_requests"])
+        time.sleep(0.2)
+    for t in threads:
+        t.join()
+    assert all(r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 200 for r in outs)
+    assert peak == 3, f"at most {peak} of 3 requests ran together"
+    s = stats(server)
+    assert s["kv_free_slots"] == free0 and s["integrity"]["ok"]

@@ -18,6 +18,7 @@ import torch
 
 from sgl_kernel_sparse import compact_kv
 
+from sglang_sparse.core.cell_tables import CellTables
 from sglang_sparse.core.kv_store import KVStore
 from sglang_sparse.core.retained import RetainedMap
 
@@ -36,6 +37,28 @@ class CacheManager:
         self.kv_heads = kv_heads
         self.requests: dict[str, RequestState] = {}
         self.counters = {"compactions": 0, "slots_released": 0}
+        # Device mirror of per-layer maps for graph-safe decode (``enable_cell_tables``), or None.
+        self.cell_tables: CellTables | None = None
+
+    def enable_cell_tables(self) -> CellTables:
+        """Keep ``CellTables`` in step with every request's map (methods with per-layer rows
+        that decode inside CUDA graphs). Call before the engine captures graphs."""
+        if self.cell_tables is None:
+            rows, _ = self.store.table_shape()
+            flat_k, _ = self.store.flat_kv()
+            self.cell_tables = CellTables(self.store.num_layers, flat_k.shape[0] // self.store.num_layers,
+                                          rows, flat_k.device)
+        return self.cell_tables
+
+    def _sync_tables(self, state: RequestState, slots: torch.Tensor | None = None) -> None:
+        if self.cell_tables is None:
+            return
+        if not state.retained.per_layer:
+            self.cell_tables.clear(state.req_row)
+            return
+        if slots is None:
+            slots = self.store.row_slots(state.req_row, 0, state.retained.compacted_rows).to(torch.int64)
+        self.cell_tables.sync(state.req_row, state.retained, slots)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, rid: str, req_row: int, prompt_len: int, cached_len: int = 0,
@@ -46,6 +69,7 @@ class CacheManager:
         state.retained.append(cached_len)
         state.retained.logical_len = cached_len if cached_logical is None else cached_logical
         self.requests[rid] = state
+        self._sync_tables(state)
         return state
 
     def attach(self, rid: str, req_row: int, prompt_len: int, retained: RetainedMap,
@@ -54,6 +78,7 @@ class CacheManager:
         what an earlier request of the chain kept, with the same map and method metadata."""
         state = RequestState(req_row, prompt_len, retained, dict(metadata))
         self.requests[rid] = state
+        self._sync_tables(state)
         return state
 
     def on_written(self, rid: str, n: int) -> None:
@@ -62,7 +87,9 @@ class CacheManager:
 
     def release(self, rid: str) -> None:
         """Forget the request. The engine frees the rows it still owns (``[0, n_rows)``)."""
-        self.requests.pop(rid, None)
+        state = self.requests.pop(rid, None)
+        if state is not None and self.cell_tables is not None:
+            self.cell_tables.clear(state.req_row)
 
     # -- physical operations -----------------------------------------------------------------
     def compact(self, rid: str, keep) -> int:
@@ -84,6 +111,7 @@ class CacheManager:
             # they overlap the destinations)
             self.store.move_kv(layer, slots[src_rows[layer].to(slots.device)], slots[:budget])
         ret.keep(keep)
+        self._sync_tables(state)
         return self._release_rows(state, slots, budget)
 
     def compact_layers(self, rid: str, keep: list[torch.Tensor]) -> int:
@@ -116,6 +144,7 @@ class CacheManager:
         # one move over every layer: all sources are read before any destination is written
         compact_kv(flat_k, flat_v, src.to(flat_k.device), torch.cat(dst).to(flat_k.device))
         ret.keep_layers(keep, [d.cpu() for d in dst], engine_rows)
+        self._sync_tables(state, kept_slots)
         return self._release_rows(state, slots, engine_rows)
 
     def _release_rows(self, state: RequestState, slots: torch.Tensor, rows: int) -> int:

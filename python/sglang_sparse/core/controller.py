@@ -25,6 +25,9 @@ class SparseController:
         self.layer_hooks = type(runtime).has_layer_hooks()
         # Decode steps: tensor-only hook (graph-safe), Python per-layer hooks, or nothing at all.
         self.graph_decode = runtime.graph_decode
+        if runtime.per_layer_rows and not runtime.graph_decode:
+            raise TypeError(f"{type(runtime).__name__}: per-layer rows decode through CellsDecodeView "
+                            "(decode_view_tensors): set graph_decode = True")
         self.decode_hooks = type(runtime).decode_needs_python()
 
     # -- requests ----------------------------------------------------------------------------
@@ -64,21 +67,21 @@ class SparseController:
         return None
 
     def layer_rows(self, layer: LayerInput) -> LayerRowsView | None:
-        """Where the step's requests' rows of this layer live, when any request has a per-layer
-        map (its rows are not the engine's slot table); None otherwise."""
+        """Prefill and mixed steps: where the requests' earlier rows of this layer live, when any
+        request has a per-layer map (its rows are not the engine's slot table); None otherwise.
+        (Decode steps of per-layer methods read ``CellsDecodeView``, never this.)"""
         reqs = self.cache.requests
         step = layer.step
-        if not any(r.rid in reqs and reqs[r.rid].retained.per_layer for r in step.requests):
+        if step.mode is StepMode.DECODE or not any(
+                r.rid in reqs and reqs[r.rid].retained.per_layer for r in step.requests):
             return None
-        decode = step.mode is StepMode.DECODE
         cells = []
         for r in step.requests:
-            per_layer = r.rid in reqs and reqs[r.rid].retained.per_layer
-            if not (decode or per_layer):
+            if not (r.rid in reqs and reqs[r.rid].retained.per_layer):
                 cells.append(None)
                 continue
             c = self.cache.layer_cells(r.rid, layer.layer_id)
-            cells.append(c if decode else c[: c.numel() - r.num_tokens])
+            cells.append(c[: c.numel() - r.num_tokens])  # the rows before this chunk
         return LayerRowsView(tuple(cells))
 
     def decode_view_tensors(self, batch: DecodeBatch) -> PagedDecodeView | None:

@@ -37,6 +37,12 @@ class MemoryOracle:
         ``max_new_tokens``; less when decoding also evicts)."""
         return self.rows_at(prompt_len, max_new_tokens) - self.rows_after_prefill(prompt_len)
 
+    def growth_left(self, prompt_len: int, max_new_tokens: int, rows_now: int) -> int:
+        """Rows a running request holding ``rows_now`` rows may still gain before it finishes: up
+        to its peak after compaction (``rows_at`` its last token), never negative. SnapKV: the
+        tokens left to decode; StreamingLLM: at most up to its row cap, however long it runs."""
+        return max(0, self.rows_at(prompt_len, max_new_tokens) - rows_now)
+
     @property
     def evicts(self) -> bool:
         return self.retained_budget is not None

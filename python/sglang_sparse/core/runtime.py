@@ -66,8 +66,6 @@ class SparseMethodRuntime:
         ``graph_decode`` methods."""
         if cls.graph_decode:
             return False
-        if cls.per_layer_rows:  # attention reads per-layer row tables (controller.layer_rows)
-            return True
         return any(getattr(cls, h) is not getattr(SparseMethodRuntime, h) for h in DECODE_LAYER_HOOKS)
 
     @staticmethod

@@ -52,11 +52,11 @@ class PrefillView:
 
 @dataclass(frozen=True)
 class LayerRowsView:
-    """Per-layer row tables (``RetainedMap`` per-layer form): where each request's rows of one
-    layer live. ``cells[i]`` are flat cells of the store (``KVStore.flat_kv``) in row order:
-    for a decode step every row attention reads (this token's included); for a prefill step the
-    rows *before* the chunk, which then attends them plus itself causally; None where the
-    engine's own slot table is right (a request without a per-layer map, in prefill)."""
+    """Per-layer row tables (``RetainedMap`` per-layer form) in a prefill or mixed step: where
+    each request's rows of one layer live. ``cells[i]`` are flat cells of the store
+    (``KVStore.flat_kv``) of the rows *before* the chunk, in row order, which the chunk then
+    attends plus itself causally; None where the engine's own slot table is right (a request
+    without a per-layer map). Decode steps read ``CellsDecodeView`` instead."""
 
     cells: tuple[torch.Tensor | None, ...]
 
@@ -70,3 +70,13 @@ class QuantizedDecodeView:
     store: Any  # QuantizedBlockStore
     block_table: torch.Tensor
     n_blocks: torch.Tensor
+
+
+@dataclass(frozen=True)
+class CellsDecodeView:
+    """Graph-safe decode over per-layer row tables (``core/cell_tables``): in layer ``layer``
+    each request reads its packed rows and then the rows appended since (its slot table from
+    ``packed_rows``), as flat cells of the store (``KVStore.flat_kv``)."""
+
+    tables: Any  # CellTables
+    layer: int

@@ -2,7 +2,8 @@
 its plain-torch reference elsewhere: the CPU path).
 
 - ``decode_over_views``: per-request ``DecodeView`` rows (eager Python hooks);
-- ``decode_over_pages``: a batched ``PagedDecodeView`` (graph-safe hooks).
+- ``decode_over_pages``: a batched ``PagedDecodeView`` (graph-safe hooks);
+- ``decode_over_cells``: a ``CellsDecodeView``, per-layer row tables (graph-safe hooks).
 
 Index ranges: ``rows[i]`` ``[Hq, n_i]`` are row indices of request i's ``req_to_token`` row (for
 methods that do not evict, row == logical position); ``valid[i]`` masks padding. Slots are looked
@@ -44,3 +45,12 @@ def decode_over_pages(q, k_cache, v_cache, table, req_rows, page_ids, n_rows, pa
     capture it; its plain-torch reference elsewhere)."""
     return sgl_kernel_sparse.paged_sparse_decode_attention(
         q, k_cache, v_cache, table, req_rows.long(), page_ids, n_rows, page, scale)
+
+
+def decode_over_cells(q, flat_k, flat_v, table, req_rows, n_rows, tables, layer: int, scale: float):
+    """q ``[B, Hq, D]``; ``tables`` a ``core.cell_tables.CellTables``; ``n_rows [B]`` resident engine
+    rows incl. this token; flat_k / flat_v every layer's pool as one ``[layers * slots, Hkv, D]``.
+    No host sync on CUDA (the reference sizes its view on the host)."""
+    return sgl_kernel_sparse.cells_decode_attention(
+        q, flat_k, flat_v, table, req_rows.long(), n_rows, tables.entries, tables.offset, tables.count,
+        tables.packed_rows, layer, tables.slots_per_layer, scale)

@@ -14,8 +14,10 @@ When (all at the engine's safe point, between steps):
 - while decoding: once the residual holds ``residual + group`` tokens, its oldest G are quantized
   into one block and released (KIVI's streaming rule).
 Attention in decode reads the dequantized blocks and the residual in one kernel
-(``kernels.quantized.kivi_decode``; Triton dequantizes in registers on CUDA), per layer in Python
-(eager: no decode CUDA graphs yet).
+(``kernels.quantized.kivi_decode``; Triton dequantizes in registers on CUDA). Decode is
+tensor-only (``graph_decode``, inside SGLang's decode CUDA graphs): the block table and the
+blocks per engine row (``n_blocks``) are persistent device tensors updated at safe points, and
+the residual is the request's resident rows (SGLang's ``seq_lens``).
 
 Memory: the pool SGLang sizes (``--max-total-tokens``, ``--mem-fraction-static``) is split by
 bytes (``engine/payload_pool.py``): ``fp_fraction`` of it stays SGLang's full-precision slots
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_sparse.core.eviction import EvictingRuntime
-from sglang_sparse.core.events import LayerInput, StepInfo
+from sglang_sparse.core.events import DecodeBatch, StepInfo
 from sglang_sparse.core.memory_oracle import MemoryOracle
 from sglang_sparse.core.quant_store import QuantizedBlockStore
 from sglang_sparse.core.views import QuantizedDecodeView
@@ -62,6 +64,7 @@ class KIVIConfig:
 @register_method("kivi", "quantization", KIVIConfig, "2/4-bit KV (keys per channel, values per token) + fp residual")
 class KIVIRuntime(EvictingRuntime):
     supports_chains = False
+    graph_decode = True
 
     @staticmethod
     def pool_split(config: KIVIConfig) -> float:
@@ -75,6 +78,8 @@ class KIVIRuntime(EvictingRuntime):
         k0, store = cache.store.k_buffer(0), cache.store
         if k0.shape[-1] % c.group:
             raise ConfigError(f"group={c.group} must divide head_dim {k0.shape[-1]}")
+        if k0.is_cuda and c.group < 16:
+            raise ConfigError(f"group={c.group} is too small for the GPU kernel: must be at least 16 (a tl.dot tile)")
         per_block = QuantizedBlockStore.block_bytes(store.num_layers, k0.shape[1], k0.shape[2], c.bits, c.group)
         budget = store.payload_budget_bytes()  # the pool's bytes SGLang left to this store
         if budget is None:  # an engine without the split (the toy engine): as many bytes as its slots
@@ -84,6 +89,7 @@ class KIVIRuntime(EvictingRuntime):
         rows, max_len = store.table_shape()
         # block_table[engine row, j]: the j-th block of the request on that row (kernel input)
         self.table = torch.zeros(rows, -(-max_len // c.group), dtype=torch.int32, device=k0.device)
+        self.n_blocks = torch.zeros(rows, dtype=torch.int32, device=k0.device)  # blocks per engine row
         self.owned: dict[str, list[int]] = {}  # request -> its blocks, in token order
 
     # -- the store -------------------------------------------------------------------------------
@@ -96,8 +102,12 @@ class KIVIRuntime(EvictingRuntime):
         return self.blocks.num_blocks * per, (self.blocks.num_blocks - self.blocks.free_count()) * per
 
     # -- lifecycle -------------------------------------------------------------------------------
+    def on_request_start(self, rid: str) -> None:
+        self.n_blocks[self.cache.requests[rid].req_row] = 0  # the row may have served another request
+
     def on_request_end(self, rid: str) -> None:
         blocks = self.owned.pop(rid, None)
+        self.n_blocks[self.cache.requests[rid].req_row] = 0
         if blocks:
             self.blocks.free(blocks)
 
@@ -130,15 +140,11 @@ class KIVIRuntime(EvictingRuntime):
         mine = self.owned.setdefault(rid, [])
         self.table[state.req_row, len(mine): len(mine) + n_groups] = torch.tensor(blocks, dtype=torch.int32)
         mine.extend(blocks)
+        self.n_blocks[state.req_row] = len(mine)
         self.bump("kivi_blocks_written", n_groups)
         positions = ret.all_positions()
         return positions[..., n_groups * c.group:]  # the residual: every layer and head alike
 
-    # -- decode ----------------------------------------------------------------------------------
-    def build_decode_selection(self, layer: LayerInput) -> QuantizedDecodeView | None:
-        if not self.owned:
-            return None  # nothing quantized yet: dense over the resident rows
-        device = self.table.device
-        n = torch.tensor([len(self.owned.get(r.rid, ())) for r in layer.step.requests], dtype=torch.int32,
-                         device=device)
-        return QuantizedDecodeView(self.blocks, self.table, n)
+    # -- decode (tensor-only: also captured into CUDA graphs) ----------------------------------
+    def decode_view_tensors(self, batch: DecodeBatch) -> QuantizedDecodeView:
+        return QuantizedDecodeView(self.blocks, self.table, self.n_blocks.index_select(0, batch.req_rows.long()))

@@ -10,8 +10,12 @@ are not compressed; prompts shorter than 2 (C - w) get SnapKV's uniform budget.
 Memory: the compaction frees each layer's own dropped rows (``CacheManager.compact_layers``):
 the kept entries of all layers are packed into ``ceil(sum_l B_l / layers)`` slots of the pool
 (``kv_store`` flat cells, docs/kv_payload.md), so PyramidKV at average budget C holds about the
-slots SnapKV at C holds. Attention then reads each layer's own rows (``LayerRowsView``): decode
-runs the sparse decode kernel over them, eager (no decode CUDA graphs yet).
+slots SnapKV at C holds. Attention then reads each layer's own rows. Decode is tensor-only
+(``graph_decode``, inside SGLang's decode CUDA graphs): device tables mirror each request's
+per-layer map (``core/cell_tables``, updated at safe points) and the kernel
+(``sgl_kernel_sparse.cells_decode_attention``) finds every row's cell from them and the slot
+table, so nothing is built per step. A prefill chunk after per-layer rows (a resumed chain)
+reads them through ``LayerRowsView`` (eager, plain torch).
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from dataclasses import dataclass
 import torch
 from sgl_kernel_sparse.reference import PYRAMIDKV_BETA, SNAPKV_KERNEL, SNAPKV_WINDOW, pyramid_budgets
 
+from sglang_sparse.core.events import DecodeBatch
 from sglang_sparse.core.memory_oracle import MemoryOracle
+from sglang_sparse.core.views import CellsDecodeView
 from sglang_sparse.kernels import snapkv_keep_indices
 from sglang_sparse.methods.snapkv import SnapKVConfig, SnapKVRuntime
 from sglang_sparse.registry import check_range, register_method
@@ -61,11 +67,16 @@ def layer_budgets(config: PyramidKVConfig, prompt_rows: int, num_layers: int) ->
 @register_method("pyramidkv", "eviction", PyramidKVConfig, "SnapKV scores with pyramid per-layer budgets")
 class PyramidKVRuntime(SnapKVRuntime):
     per_layer_rows = True
+    graph_decode = True
 
     def __init__(self, cache, config: PyramidKVConfig | None = None) -> None:
         super().__init__(cache, config or PyramidKVConfig())
         self.oracle = PyramidOracle(retained_budget=self.config.budget, config=self.config,
                                     num_layers=cache.store.num_layers)
+        self.tables = cache.enable_cell_tables()
+
+    def decode_view_tensors(self, batch: DecodeBatch) -> CellsDecodeView:
+        return CellsDecodeView(self.tables, batch.layer_id)
 
     def plan(self, rid: str) -> list[torch.Tensor]:
         state = self.cache.requests[rid]

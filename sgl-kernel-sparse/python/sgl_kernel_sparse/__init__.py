@@ -8,6 +8,7 @@ directly. See README.md for shapes and index conventions.
 from . import reference
 from .reference import pyramid_budgets
 from .dispatch import (
+    cells_decode_attention,
     compact_kv,
     paged_sparse_decode_attention,
     quest_page_scores,
@@ -24,6 +25,7 @@ from .dispatch import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "cells_decode_attention",
     "compact_kv",
     "paged_sparse_decode_attention",
     "pyramid_budgets",

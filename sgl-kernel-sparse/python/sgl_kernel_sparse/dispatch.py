@@ -38,6 +38,7 @@ def _pick(name, args, kwargs):
 _REF_KWARGS = {
     "sparse_decode_attention": ("scale",),
     "paged_sparse_decode_attention": ("scale",),
+    "cells_decode_attention": ("scale",),
     "quest_page_scores": ("summary_rows",),
     "quest_page_scores_paged": (),
     "snapkv_window_scores": ("scale", "slots"),
@@ -56,6 +57,14 @@ def paged_sparse_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, p
                                   seq_lens, page, scale=None, **triton_kwargs):
     return _pick("paged_sparse_decode_attention",
                  (q, k_cache, v_cache, req_to_token, req_rows, page_ids, seq_lens, page),
+                 dict(scale=scale, **triton_kwargs))
+
+
+def cells_decode_attention(q, flat_k, flat_v, req_to_token, req_rows, seq_lens, entries, offset, count,
+                           packed_rows, layer, slots_per_layer, scale=None, **triton_kwargs):
+    return _pick("cells_decode_attention",
+                 (q, flat_k, flat_v, req_to_token, req_rows, seq_lens, entries, offset, count, packed_rows,
+                  layer, slots_per_layer),
                  dict(scale=scale, **triton_kwargs))
 
 

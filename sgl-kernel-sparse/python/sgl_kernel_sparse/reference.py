@@ -94,6 +94,50 @@ def paged_sparse_decode_attention(
     return sparse_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, rows, valid, scale)
 
 
+def cell_table_cells(req_to_token, req_rows, seq_lens, entries, offset, count, packed_rows, layer,
+                     slots_per_layer):
+    """Flat cells each request reads in ``layer`` from per-layer row tables (PyramidKV's packed
+    layout, ``sglang_sparse.core.cell_tables``). For request b (``req = req_rows[b]``,
+    ``K = packed_rows[req]``, ``B = count[req, layer]``, ``o = offset[req, layer]``) view row n,
+    ``0 <= n < B + seq_lens[b] - K``, is
+
+      n <  B: entry e = o + n, stored at ``entries[(e // K) * slots_per_layer + req_to_token[req, e % K]]``
+      n >= B: the cell ``layer * slots_per_layer + req_to_token[req, K + n - B]`` (rows after the
+              packed region: one per token since, in the layer's own part)
+
+    Returns ``cells [B, N]`` int64 and ``valid [B, N]`` (N = the longest view)."""
+    req = req_rows.long()
+    k = packed_rows[req].long()
+    b_l = count[req, layer].long()
+    off = offset[req, layer].long()
+    n_view = (b_l + seq_lens.long() - k).clamp(min=0)
+    n = torch.arange(int(n_view.max()) if req.numel() else 0, device=req.device).view(1, -1)
+    rows = req_to_token[req].long()
+    last = rows.shape[1] - 1
+    k1 = k.clamp(min=1).view(-1, 1)
+    e = off.view(-1, 1) + n
+    addr = (e // k1) * slots_per_layer + rows.gather(1, (e % k1).clamp(max=last))
+    packed = entries.long()[addr.clamp(0, entries.numel() - 1)]
+    tail = layer * slots_per_layer + rows.gather(1, (k.view(-1, 1) + n - b_l.view(-1, 1)).clamp(0, last))
+    cells = torch.where(n < b_l.view(-1, 1), packed, tail)
+    return cells, n < n_view.view(-1, 1)
+
+
+def cells_decode_attention(q, flat_k, flat_v, req_to_token, req_rows, seq_lens, entries, offset, count,
+                           packed_rows, layer, slots_per_layer, scale=None):
+    """Decode attention over per-layer row tables: request b reads the flat cells of
+    ``cell_table_cells`` (every query head the same rows). ``flat_k`` / ``flat_v``
+    ``[layers * slots_per_layer, Hkv, D]``. Returns ``[B, Hq, D]`` in q's dtype."""
+    cells, valid = cell_table_cells(req_to_token, req_rows, seq_lens, entries, offset, count, packed_rows,
+                                    layer, slots_per_layer)
+    b, hq, _ = q.shape
+    n = cells.shape[1]
+    own = torch.arange(b, device=q.device)
+    rows = torch.arange(n, device=q.device).expand(b, hq, n)
+    return sparse_decode_attention(q, flat_k, flat_v, cells, own, rows, valid.unsqueeze(1).expand(b, hq, n),
+                                   scale)
+
+
 # ------------------------------------------------------------------ Quest
 
 

@@ -105,6 +105,28 @@ def _decode_reduce_kernel(
     tl.store(OUT + b * s_ob + h * s_oh + d, out.to(OUT.dtype.element_ty), mask=d < D)
 
 
+def split_buffers(out: torch.Tensor, splits: int):
+    """Split-K partials of every decode kernel of this package: ``O_PART [B, Hq, S, D]`` and
+    ``LSE_PART [B, Hq, S]`` (fp32); with one split the kernel writes ``out`` directly and both
+    are placeholders."""
+    if splits <= 1:
+        return out, out
+    b, hq, d = out.shape
+    return (torch.empty(b, hq, splits, d, dtype=torch.float32, device=out.device),
+            torch.empty(b, hq, splits, dtype=torch.float32, device=out.device))
+
+
+def merge_splits(o_part, lse_part, out: torch.Tensor, splits: int) -> torch.Tensor:
+    """``_decode_reduce_kernel`` over the partials of ``split_buffers`` (nothing with one split)."""
+    if splits > 1:
+        b, hq, d = out.shape
+        _decode_reduce_kernel[(b, hq)](
+            o_part, lse_part, out, splits, out.stride(0), out.stride(1),
+            D=d, BLOCK_D=pow2(d, 16), BLOCK_S=pow2(splits), num_warps=4,
+        )
+    return out
+
+
 def plan_splits(programs, n_total, d, device, block_n=None, num_splits=None):
     """(block_n, num_splits, chunk): entries ``[s*chunk, (s+1)*chunk)`` go to split s.
     ``programs`` = B * Hq. Default: enough splits for ~4 programs per SM, each split at least
@@ -135,11 +157,7 @@ def _launch(q, k_cache, v_cache, req_to_token, req_rows, idx, valid, seq_lens, p
     block_d = pow2(d, 16)
     block_n, num_splits, chunk = plan_splits(b * hq, n_total, d, q.device, block_n, num_splits)
     split = num_splits > 1
-    if split:
-        o_part = torch.empty(b, hq, num_splits, d, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
-    else:
-        o_part = lse_part = out  # unused
+    o_part, lse_part = split_buffers(out, num_splits)
     if valid is None:
         valid, vstr = idx, (0, 0, 0)  # unused in paged mode
     else:
@@ -157,12 +175,7 @@ def _launch(q, k_cache, v_cache, req_to_token, req_rows, idx, valid, seq_lens, p
         GROUP=hq // hkv, PAGE=page, PAGED=paged, SPLIT=split,
         D=d, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4,
     )
-    if split:
-        _decode_reduce_kernel[(b, hq)](
-            o_part, lse_part, out, num_splits, out.stride(0), out.stride(1),
-            D=d, BLOCK_D=block_d, BLOCK_S=pow2(num_splits), num_warps=4,
-        )
-    return out
+    return merge_splits(o_part, lse_part, out, num_splits)
 
 
 def sparse_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, rows, valid,

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .quant import FP8_DTYPE
 from .triton_common import check_device, check_rows, num_sms, pow2
-from .triton_decode import _decode_reduce_kernel
+from .triton_decode import merge_splits, split_buffers
 
 LOG2E = 1.4426950408889634
 
@@ -113,11 +113,7 @@ def fp8_decode_attention(q, k8, v8, k_scale, v_scale, req_to_token, req_rows, se
         num_splits = min(want, triton.cdiv(req_to_token.shape[1], 2 * block_n), 64)
     splits = max(1, int(num_splits))
     split = splits > 1
-    if split:
-        o_part = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
-    else:
-        o_part = lse_part = out  # unused
+    o_part, lse_part = split_buffers(out, splits)
     scale = (1.0 / d**0.5) if scale is None else float(scale)
     _fp8_decode_kernel[(b, hq, splits)](
         q, k8, v8, k_scale, v_scale, req_to_token, req_rows, seq_lens, out, o_part, lse_part,
@@ -126,9 +122,4 @@ def fp8_decode_attention(q, k8, v8, k_scale, v_scale, req_to_token, req_rows, se
         out.stride(0), out.stride(1),
         GROUP=hq // hkv, SPLIT=split, D=d, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4,
     )
-    if split:
-        _decode_reduce_kernel[(b, hq)](
-            o_part, lse_part, out, splits, out.stride(0), out.stride(1),
-            D=d, BLOCK_D=block_d, BLOCK_S=pow2(splits), num_warps=4,
-        )
-    return out
+    return merge_splits(o_part, lse_part, out, splits)

@@ -1,14 +1,16 @@
 """KIVI decode attention (flash-decoding split-K): quantized history blocks dequantized in
 registers, then the full-precision residual rows. Layout and formulas: ``quant.py``.
 
-Grid ``(B, Hq, S)``. Program (b, h, s) reads KV head ``h // GROUP`` and walks
+Grid ``(B, Hkv, S)``. Program (b, kvh, s) serves the GROUP query heads of KV head ``kvh`` (one
+``[BLOCK_H >= 16, D]`` query tile: each block is dequantized once for all of them and both
+products are ``tl.dot``s; fp32 inputs use 3xTF32 dots (about fp32 accuracy), fp16/bf16 inputs tf32) and walks
   1. its share of request b's quantized blocks: ``[s*cb, min((s+1)*cb, nb))`` with
      ``nb = n_blocks[b]``, ``cb = cdiv(nb, S)``; block j is ``blk = block_table[req_rows[b], j]``,
      one ``[G, D]`` tile per block: byte ``c // (8/BITS)`` of ``k_codes[blk, kvh, t]`` shifted by
      ``(c % (8/BITS))*BITS`` and masked -> code; ``key = code * k_scale[blk, kvh, c] +
      k_min[blk, kvh, c]``, ``value = code * v_scale[blk, kvh, t, c // G] + v_min[...]`` (the
      value tile viewed as ``[G, D/G, G]`` so each (token, group) scale is loaded once; G must be
-     a power of 2 here; G = 32: 96 registers, no spills on sm_90 for D = 128);
+     a power of 2 of at least 16 here);
   2. its share of the residual rows: ``[s*rc, min((s+1)*rc, rl))`` with ``rl = res_len[b]``,
      ``rc = cdiv(rl, S)`` rounded up to BLOCK_N, row j at slot ``req_to_token[req_rows[b], j]``.
 The shares are computed per request on the device (no host sync, no dependence on the longest
@@ -25,7 +27,7 @@ import triton.language as tl
 
 from .quant import KIVI_GROUP, check_kivi_layout
 from .triton_common import check_device, check_rows, num_sms, pow2
-from .triton_decode import _decode_reduce_kernel
+from .triton_decode import merge_splits, split_buffers
 
 LOG2E = 1.4426950408889634
 
@@ -47,24 +49,29 @@ def _kivi_decode_kernel(
     s_kcb, s_kch, s_kct, s_ksb, s_ksh, s_kmb, s_kmh,
     s_vcb, s_vch, s_vct, s_vsb, s_vsh, s_vst, s_vmb, s_vmh, s_vmt,
     s_bt, s_ks, s_kh, s_vs, s_vh, s_rt, s_ob, s_oh,
-    GROUP: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, SPLIT: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    kvh = tl.program_id(1)
     s = tl.program_id(2)
     n_split = tl.num_programs(2)
-    kvh = h // GROUP
+    hq = tl.num_programs(1) * GROUP
     req = tl.load(REQ_ROWS + b).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
+    hh = tl.arange(0, BLOCK_H)  # the GROUP query heads of this KV head (rows >= GROUP: padding)
+    hmask = hh < GROUP
+    heads = kvh * GROUP + hh
     # qk_scale = softmax scale * log2(e): logits are in base 2, exp2 below
-    q = tl.load(Q + b * s_qb + h * s_qh + d, mask=dmask, other=0.0).to(tl.float32) * qk_scale
-    m_i = -float("inf")
-    l_i = 0.0
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + d[None, :], mask=hmask[:, None] & dmask[None, :],
+                other=0.0).to(tl.float32) * qk_scale  # [BLOCK_H, BLOCK_D]
+    m_i = tl.full([BLOCK_H], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
 
-    # 1. quantized blocks, one [G, BLOCK_D] tile each (G is a power of 2 dividing D)
+    # 1. quantized blocks, one [G, BLOCK_D] tile each, dequantized once for the GROUP heads
     nb = tl.load(N_BLOCKS + b).to(tl.int32)
     cb = tl.cdiv(nb, n_split)
     j0 = s * cb
@@ -79,11 +86,11 @@ def _kivi_decode_kernel(
         km = tl.load(KM + blk * s_kmb + kvh * s_kmh + d, mask=dmask, other=0.0).to(tl.float32)
         k = _unpack_tile(KC, blk * s_kcb + kvh * s_kch, t, d, tile, s_kct, BITS)
         k = k * ks[None, :] + km[None, :]  # dequantized keys [G, BLOCK_D], registers only
-        logit = tl.sum(k * q[None, :], axis=1)
-        m_new = tl.maximum(m_i, tl.max(logit, axis=0))  # every token of a block is valid
+        logit = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_H, G]
+        m_new = tl.maximum(m_i, tl.max(logit, axis=1))  # every token of a block is valid
         m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(logit - m_ref)
+        p = tl.exp2(logit - m_ref[:, None])
         # values: one (scale, min) per token and group of G channels, broadcast over the group
         # by viewing the tile as [G tokens, BLOCK_D // G groups, G channels]
         vs = tl.load(VS + blk * s_vsb + kvh * s_vsh + t[:, None] * s_vst + cg[None, :],
@@ -93,8 +100,8 @@ def _kivi_decode_kernel(
         v = _unpack_tile(VC, blk * s_vcb + kvh * s_vch, t, d, tile, s_vct, BITS)
         v = tl.reshape(v, (G, BLOCK_D // G, G)) * vs[:, :, None] + vm[:, :, None]
         v = tl.reshape(v, (G, BLOCK_D))
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
     # 2. full-precision residual rows of the token-major pool
@@ -108,33 +115,34 @@ def _kivi_decode_kernel(
         slot = tl.load(REQ_TO_TOKEN + req * s_rt + n, mask=ok, other=0).to(tl.int64)
         row_mask = ok[:, None] & dmask[None, :]
         k = tl.load(K + slot[:, None] * s_ks + kvh * s_kh + d[None, :], mask=row_mask, other=0.0)
-        logit = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
-        logit = tl.where(ok, logit, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(logit, axis=0))
+        logit = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
+        logit = tl.where(ok[None, :], logit, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(logit, axis=1))
         m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(logit - m_ref)
+        p = tl.exp2(logit - m_ref[:, None])
         v = tl.load(V + slot[:, None] * s_vs + kvh * s_vh + d[None, :], mask=row_mask, other=0.0)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = acc / l_safe  # nothing read (empty request or split): zeros
+    o = acc / l_safe[:, None]  # nothing read (empty request or split): zeros
+    omask = hmask[:, None] & dmask[None, :]
     if SPLIT:
-        base = (b * tl.num_programs(1) + h) * n_split + s  # O_PART [B, Hq, S, D], LSE [B, Hq, S]
-        tl.store(O_PART + base * D + d, o, mask=dmask)
-        tl.store(LSE_PART + base, tl.where(l_i > 0, m_i + tl.log2(l_safe), -float("inf")))
+        base = (b * hq + heads) * n_split + s  # O_PART [B, Hq, S, D], LSE [B, Hq, S]
+        tl.store(O_PART + base[:, None] * D + d[None, :], o, mask=omask)
+        tl.store(LSE_PART + base, tl.where(l_i > 0, m_i + tl.log2(l_safe), -float("inf")), mask=hmask)
     else:
-        tl.store(OUT + b * s_ob + h * s_oh + d, o.to(OUT.dtype.element_ty), mask=dmask)
+        tl.store(OUT + b * s_ob + heads[:, None] * s_oh + d[None, :], o.to(OUT.dtype.element_ty), mask=omask)
 
 
 def plan_kivi_splits(programs, max_blocks, device, num_splits=None):
-    """Splits S: enough for ~4 programs per SM, each split at least two blocks of the longest
-    possible request (``block_table.shape[1]``), at most 64; 1 when there are no blocks."""
+    """Splits S: enough for ~8 programs per SM (``programs`` = B * Hkv), each split at least two
+    blocks of the longest possible request (``block_table.shape[1]``), at most 64."""
     if num_splits is not None:
         return max(1, int(num_splits))
-    want = triton.cdiv(4 * num_sms(device), max(programs, 1))
+    want = triton.cdiv(8 * num_sms(device), max(programs, 1))
     return max(1, min(want, triton.cdiv(max_blocks, 2), 64))
 
 
@@ -147,8 +155,8 @@ def kivi_decode_attention(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, b
     hkv, d = check_kivi_layout(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, k_cache,
                                v_cache, bits, group)
     b, hq, _ = q.shape
-    if group & (group - 1):
-        raise ValueError(f"the Triton kernel needs a power-of-2 group, got {group}")
+    if group & (group - 1) or group < 16:
+        raise ValueError(f"the Triton kernel needs a power-of-2 group of at least 16 (a tl.dot tile), got {group}")
     check_rows(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, k_cache, v_cache)
     check_device(block_table, req_rows, n_blocks, req_to_token, res_len)
     if req_to_token.stride(1) != 1 or block_table.stride(1) != 1:
@@ -159,15 +167,13 @@ def kivi_decode_attention(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, b
     block_d = pow2(d, 16)
     if block_n is None:  # 32 x 128 tiles, as the sparse decode kernel
         block_n = 32 if block_d <= 128 else 16
-    splits = plan_kivi_splits(b * hq, block_table.shape[1], q.device, num_splits)
+    block_n = max(16, block_n)  # a tl.dot dimension
+    fp32 = q.dtype == torch.float32
+    splits = plan_kivi_splits(b * hkv, block_table.shape[1], q.device, num_splits)
     split = splits > 1
-    if split:
-        o_part = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
-    else:
-        o_part = lse_part = out  # unused
+    o_part, lse_part = split_buffers(out, splits)
     scale = (1.0 / d**0.5) if scale is None else float(scale)
-    _kivi_decode_kernel[(b, hq, splits)](
+    _kivi_decode_kernel[(b, hkv, splits)](
         q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, block_table, req_rows, n_blocks,
         k_cache, v_cache, req_to_token, res_len, out, o_part, lse_part, scale * LOG2E,
         q.stride(0), q.stride(1),
@@ -179,12 +185,8 @@ def kivi_decode_attention(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, b
         block_table.stride(0), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=hq // hkv, G=group, BITS=bits, SPLIT=split,
+        GROUP=hq // hkv, BLOCK_H=pow2(hq // hkv, 16), G=group, BITS=bits, SPLIT=split,
+        PRECISION="tf32x3" if fp32 else "tf32",
         D=d, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4,
     )
-    if split:
-        _decode_reduce_kernel[(b, hq)](
-            o_part, lse_part, out, splits, out.stride(0), out.stride(1),
-            D=d, BLOCK_D=block_d, BLOCK_S=pow2(splits), num_warps=4,
-        )
-    return out
+    return merge_splits(o_part, lse_part, out, splits)

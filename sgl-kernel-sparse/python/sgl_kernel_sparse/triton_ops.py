@@ -1,11 +1,13 @@
 """All Triton entry points (needs triton; import it after setting TRITON_INTERPRET if wanted)."""
 
+from .triton_cells import cells_decode_attention
 from .triton_compact import compact_kv
 from .triton_decode import paged_sparse_decode_attention, sparse_decode_attention
 from .triton_quest import quest_page_scores, quest_page_scores_paged
 from .triton_snapkv import snapkv_window_scores
 
 __all__ = [
+    "cells_decode_attention",
     "compact_kv",
     "paged_sparse_decode_attention",
     "quest_page_scores",

@@ -5,7 +5,13 @@ is right for dense attention and for Quest (which keeps every row), and too much
 that evicts: SnapKV holds the whole prompt only until its last chunk is scored, then ``budget``
 rows. Running requests are already counted at their retained size, because compaction hands the
 evicted rows back to SGLang's allocator and SGLang's decode check reads ``kv_committed_len``
-(resident rows). What remains logical is the reservation for requests not yet running:
+(resident rows). What remains logical is the reservation for the decode still ahead:
+
+- running requests (``PrefillAdder._get_running_request_total_token_offset``): SGLang reserves
+  the tokens each may still decode; a request that also evicts while decoding (StreamingLLM)
+  never grows past its row cap, so it reserves at most ``oracle.growth_left`` (its peak rows
+  minus the rows it holds). Without this, long outputs keep admission shut although the pool
+  has room;
 
 - arrival: SGLang clips ``max_new_tokens`` so that ``prompt + max_new`` fits the pool (both via
   ``max_req_len``, the pool size, and ``max_new_tokens_for_memory``). An evicting method's request
@@ -75,6 +81,16 @@ def _oracle_adder(base: type) -> type:
                 return super().add_one_req(req, *args, **kwargs)
             finally:
                 sp.ignore_eos = ignore_eos
+
+        def _get_running_request_total_token_offset(self, req) -> int:
+            reserved = super()._get_running_request_total_token_offset(req)
+            ctl = STATE.scheduler.controller
+            state = ctl.cache.requests.get(req.rid)
+            if state is None:  # not (yet) known to the controller: SGLang's estimate
+                return reserved
+            left = ctl.oracle.growth_left(len(req.origin_input_ids), req.sampling_params.max_new_tokens,
+                                          state.retained.n_rows)
+            return min(reserved, left)
 
         def _check_prefill_budget(self, req, *, total_tokens, **kwargs):
             max_new = self._swa_new_tokens(req)  # = the max_new that add_one_req put in total_tokens

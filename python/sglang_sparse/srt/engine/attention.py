@@ -10,8 +10,9 @@ Per layer: write this step's KV, ask the controller for the view, run attention 
 the backend's own dense kernel over the resident rows; a DecodeView: ``kernels.decode``, i.e.
 sgl-kernel-sparse's Triton kernel on CUDA, the plain-torch reference elsewhere), then report the
 output. Decode steps take one of three paths, chosen by the method's capabilities:
-- ``graph_decode`` (Quest): tensor-only ``decode_view_tensors`` + the paged kernel, also inside
-  SGLang's captured decode CUDA graphs;
+- ``graph_decode`` (Quest, PyramidKV, KIVI): tensor-only ``decode_view_tensors`` and the kernel
+  of the view it returns (paged, per-layer cells, quantized blocks), also inside SGLang's
+  captured decode CUDA graphs;
 - per-layer Python hooks (``decode_hooks``): eager only (the launcher disables CUDA graphs);
 - neither (dense, SnapKV): the backend's own path untouched, CUDA graphs included.
 """
@@ -23,8 +24,8 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_sparse.core.events import DecodeBatch, LayerInput
-from sglang_sparse.core.views import DecodeView, LayerRowsView, QuantizedDecodeView
-from sglang_sparse.kernels.decode import decode_over_pages, decode_over_views
+from sglang_sparse.core.views import CellsDecodeView, DecodeView, LayerRowsView, QuantizedDecodeView
+from sglang_sparse.kernels.decode import decode_over_cells, decode_over_pages, decode_over_views
 from sglang_sparse.kernels.prefill import extend_over_cells
 from sglang_sparse.kernels.quantized import kivi_decode
 from sglang_sparse.srt.prune import scheduler as prune
@@ -90,10 +91,6 @@ class SparseHooks:
         view = STATE.scheduler.controller.attention_view(inp)
         if view is None:
             o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache=False)
-        elif isinstance(view, LayerRowsView):
-            o = self._decode_over_cells(inp, view, layer)
-        elif isinstance(view, QuantizedDecodeView):
-            o = self._decode_over_quantized(inp, view, layer)
         else:
             o = self._decode_over_view(inp, view, layer, forward_batch)
         STATE.scheduler.controller.attention_done(inp, o.view(-1, layer.tp_q_head_num, layer.v_head_dim))
@@ -112,42 +109,25 @@ class SparseHooks:
                             forward_batch.req_pool_indices, forward_batch.seq_lens,
                             forward_batch.out_cache_loc, table, k_cache, v_cache)
         view = STATE.scheduler.controller.decode_view_tensors(batch)
+        req_rows, n_rows = forward_batch.req_pool_indices, forward_batch.seq_lens
         if view is None:
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache=False)
-        out = decode_over_pages(q3, k_cache, v_cache, table, forward_batch.req_pool_indices,
-                                view.page_ids, view.n_rows, view.page_size, layer.scaling)
+        if isinstance(view, CellsDecodeView):
+            flat_k, flat_v = self._flat_kv()
+            out = decode_over_cells(q3, flat_k, flat_v, table, req_rows, n_rows, view.tables, view.layer,
+                                    layer.scaling)
+        elif isinstance(view, QuantizedDecodeView):
+            # history blocks of each request + its resident full-precision rows (this token's incl.)
+            out = kivi_decode(q3, view.store, layer.layer_id, view.block_table, req_rows.long(),
+                              view.n_blocks, k_cache, v_cache, table, n_rows, layer.scaling)
+        else:
+            out = decode_over_pages(q3, k_cache, v_cache, table, req_rows, view.page_ids, view.n_rows,
+                                    view.page_size, layer.scaling)
         return out.view(q3.shape[0], -1)
 
     @staticmethod
     def _flat_kv():
         return STATE.scheduler.controller.cache.store.flat_kv()
-
-    def _decode_over_cells(self, inp: LayerInput, view: LayerRowsView, layer):
-        """Decode over per-layer rows: request i reads the flat cells ``view.cells[i]``."""
-        flat_k, flat_v = self._flat_kv()
-        lengths = [c.numel() for c in view.cells]
-        table = torch.zeros(len(lengths), max(lengths), dtype=torch.int64, device=flat_k.device)
-        for i, c in enumerate(view.cells):
-            table[i, : lengths[i]] = c.to(flat_k.device)
-        hq = inp.q.shape[1]
-        rows = [torch.arange(n, device=flat_k.device).expand(hq, n) for n in lengths]
-        valid = [torch.ones(hq, n, dtype=torch.bool, device=flat_k.device) for n in lengths]
-        out = decode_over_views(inp.q, flat_k, flat_v, table, list(range(len(lengths))), rows, valid,
-                                lengths, layer.scaling)
-        return out.view(inp.q.shape[0], -1)
-
-    def _decode_over_quantized(self, inp: LayerInput, view: QuantizedDecodeView, layer):
-        """Decode over each request's quantized blocks + its full-precision rows (this token's
-        included), dequantized inside the kernel."""
-        reqs = inp.step.requests
-        device = inp.q.device
-        req_rows = torch.tensor([r.req_row for r in reqs], dtype=torch.int64, device=device)
-        res_len = torch.tensor([r.row_start + r.num_tokens for r in reqs], dtype=torch.int32, device=device)
-        out = kivi_decode(inp.q, view.store, layer.layer_id, view.block_table, req_rows, view.n_blocks,
-                          self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-                          self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-                          self.req_to_token_pool.req_to_token, res_len, layer.scaling)
-        return out.view(inp.q.shape[0], -1)
 
     def _extend_over_cells(self, inp: LayerInput, view: LayerRowsView, layer, out) -> None:
         flat_k, flat_v = self._flat_kv()
