@@ -74,3 +74,12 @@ def test_chain_cache_on_is_refused_for_kivi():
         sparse_config(["--device", "cpu", "--sparse-method", "kivi", "--chain-cache", "on"], log=lambda m: None)
     config, _ = sparse_config(["--device", "cpu", "--sparse-method", "kivi"], log=lambda m: None)
     assert config["chain_cache"] is False
+
+
+def test_prune_answers_409_with_a_sentence(server):
+    """KIVI's payload has no radix cache yet, so /prune cannot work: a 409 that says why."""
+    ids = list(range(1000, 1400))
+    resp = requests.post(server.base_url + "/prune", timeout=60,
+                         json={"token_ids": ids, "ranges": [[100, 300]], "keep_ratio": 0.5, "wait": True})
+    assert resp.status_code == 409, resp.text
+    assert "radix cache is off (kivi evicts KV itself" in resp.text
