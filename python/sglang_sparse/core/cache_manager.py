@@ -51,12 +51,11 @@ class CacheManager:
         return self.cell_tables
 
     def _sync_tables(self, state: RequestState, slots: torch.Tensor | None = None) -> None:
+        """Mirror the request's map into ``cell_tables`` (``slots``: its first ``compacted_rows``
+        slots, read from the slot table when not given; unused for a uniform map)."""
         if self.cell_tables is None:
             return
-        if not state.retained.per_layer:
-            self.cell_tables.clear(state.req_row)
-            return
-        if slots is None:
+        if slots is None and state.retained.per_layer:
             slots = self.store.row_slots(state.req_row, 0, state.retained.compacted_rows).to(torch.int64)
         self.cell_tables.sync(state.req_row, state.retained, slots)
 
@@ -110,8 +109,7 @@ class CacheManager:
             # row i of KV head h takes the entry of row src_rows[l, h, i] (sources read first:
             # they overlap the destinations)
             self.store.move_kv(layer, slots[src_rows[layer].to(slots.device)], slots[:budget])
-        ret.keep(keep)
-        self._sync_tables(state)
+        ret.keep(keep)  # a uniform map stays uniform: its row's tables stay clear (set at start)
         return self._release_rows(state, slots, budget)
 
     def compact_layers(self, rid: str, keep: list[torch.Tensor]) -> int:

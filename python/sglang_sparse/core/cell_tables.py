@@ -41,9 +41,9 @@ class CellTables:
         self.offset[row] = 0
         self.packed_rows[row] = 0
 
-    def sync(self, row: int, ret: RetainedMap, slots: torch.Tensor) -> None:
+    def sync(self, row: int, ret: RetainedMap, slots: torch.Tensor | None) -> None:
         """Mirror ``ret`` for the request on engine row ``row``; ``slots`` are its resident slots
-        in row order (at least its first ``compacted_rows``)."""
+        in row order (at least its first ``compacted_rows``; None for a uniform map)."""
         if not ret.per_layer:
             self.clear(row)
             return

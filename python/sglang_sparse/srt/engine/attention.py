@@ -109,19 +109,18 @@ class SparseHooks:
                             forward_batch.req_pool_indices, forward_batch.seq_lens,
                             forward_batch.out_cache_loc, table, k_cache, v_cache)
         view = STATE.scheduler.controller.decode_view_tensors(batch)
-        req_rows, n_rows = forward_batch.req_pool_indices, forward_batch.seq_lens
         if view is None:
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache=False)
         if isinstance(view, CellsDecodeView):
             flat_k, flat_v = self._flat_kv()
-            out = decode_over_cells(q3, flat_k, flat_v, table, req_rows, n_rows, view.tables, view.layer,
-                                    layer.scaling)
+            out = decode_over_cells(q3, flat_k, flat_v, table, batch.req_rows, batch.n_rows, view.tables,
+                                    view.layer, layer.scaling)
         elif isinstance(view, QuantizedDecodeView):
             # history blocks of each request + its resident full-precision rows (this token's incl.)
-            out = kivi_decode(q3, view.store, layer.layer_id, view.block_table, req_rows.long(),
-                              view.n_blocks, k_cache, v_cache, table, n_rows, layer.scaling)
+            out = kivi_decode(q3, view.store, layer.layer_id, view.block_table, batch.req_rows.long(),
+                              view.n_blocks, k_cache, v_cache, table, batch.n_rows, layer.scaling)
         else:
-            out = decode_over_pages(q3, k_cache, v_cache, table, req_rows, view.page_ids, view.n_rows,
+            out = decode_over_pages(q3, k_cache, v_cache, table, batch.req_rows, view.page_ids, view.n_rows,
                                     view.page_size, layer.scaling)
         return out.view(q3.shape[0], -1)
 
