@@ -40,6 +40,37 @@ def test_streamingllm_keeps_exactly_sinks_and_recent_after_every_step(chunk):
     assert eng.store.free_count() == free0
 
 
+@pytest.mark.parametrize("method,knobs", [("streamingllm", {"sinks": 2, "recent": 8, "evict_every": 4}),
+                                           ("kivi", {"bits": 4, "group": 4, "residual": 8})])
+def test_token_uniform_compaction_repoints_rows_without_moving_kv(method, knobs):
+    """StreamingLLM and KIVI keep the same tokens in every layer and head: a compaction re-points
+    the kept rows at their slots and frees the rest; no KV row is copied (before this, every
+    eviction moved the whole window in every layer). Values stay readable and no slot leaks."""
+    q, k, v = qkv(24, seed=7)
+    eng = ToyEngine(method, knobs)
+    moves = []
+    real_move = eng.store.move_kv
+    eng.store.move_kv = lambda *a: (moves.append(a[0]), real_move(*a))
+    free0 = eng.store.free_count()
+    eng.prefill("a", 0, q, k, v, 8)
+    keys = [k[layer].clone() for layer in range(LAYERS)]
+    for step in range(12):
+        dq, dk, dv = qkv(1, seed=400 + step)
+        eng.decode("a", 0, dq, dk, dv)
+        keys = [torch.cat([keys[layer], dk[layer]]) for layer in range(LAYERS)]
+    cache = eng.ctl.cache
+    ret = cache.retained("a")
+    assert cache.counters["compactions"] > 1 and moves == []
+    held = ret.token_positions()
+    assert held is not None and ret.n_rows < ret.logical_len
+    for layer in range(LAYERS):  # the full-precision rows hold exactly those tokens' keys
+        torch.testing.assert_close(cache.keys("a", layer), keys[layer][held])
+    slots = cache.resident_slots("a")
+    assert len(set(slots.tolist())) == len(slots)  # every row its own slot
+    eng.finish("a", 0)
+    assert eng.store.free_count() == free0
+
+
 def test_streamingllm_evicts_every_n_tokens_and_stays_bounded():
     sinks, recent, every = 4, 16, 5
     q, k, v = qkv(10, seed=6)  # a short prompt: nothing to evict yet

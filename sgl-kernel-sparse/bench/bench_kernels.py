@@ -26,7 +26,10 @@ HQ, HKV, D = 32, 8, 128
 DEVICE = "cuda"
 # problem sizes (a smoke run on CPU under the Triton interpreter shrinks these)
 SIZES = dict(ctx=32768, n_sel=2048, batches=(1, 8, 32), quick_batches=(8,), page=16,
-             snap_lens=(8192, 32768), snap_w=32, keep=4096, decode_b=32, decode_ctx=4096)
+             snap_lens=(8192, 32768), snap_w=32, keep=4096, decode_b=32, decode_ctx=4096,
+             # the 32K capacity runs' shapes (benchmark/bench_long_context.py): KIVI 2-bit at its
+             # largest resident batch, PyramidKV's per-layer cells at budget 2048
+             kivi_batches=(1, 22), kivi_group=32, kivi_res=144, cells_batches=(1, 40), cells_rows=2048)
 
 
 def parse_args():
@@ -40,6 +43,8 @@ def parse_args():
     ap.add_argument("--sweep", action="store_true", help="also sweep decode block_n / num_splits")
     ap.add_argument("--no-ref", action="store_true", help="do not time the torch references")
     ap.add_argument("--no-flush", action="store_true", help="keep L2 warm between calls")
+    ap.add_argument("--only", nargs="*", default=None,
+                    help="case groups to run (decode quest snapkv compact kivi cells; default all)")
     return ap.parse_args()
 
 
@@ -180,6 +185,81 @@ def compact_cases(dtype, quick, T, R, g):
                ref=None)
 
 
+def kivi_cases(dtype, quick, sweep, T, R, g):
+    """KIVI decode (``triton_kivi``): 32K tokens of history in 2- and 4-bit blocks of G plus a
+    full-precision residual window, as the server holds them mid-decode."""
+    from sgl_kernel_sparse import quant as Q
+    from sgl_kernel_sparse.triton_kivi import kivi_decode_attention
+
+    G, res, ctx = SIZES["kivi_group"], SIZES["kivi_res"], SIZES["ctx"]
+    for bits in ((2,) if quick else (2, 4)):
+        for b in SIZES["kivi_batches"][-1:] if quick else SIZES["kivi_batches"]:
+            nb = (ctx - res) // G
+            blocks = []  # quantize in chunks: the fp32 source of 22 x 32K tokens is ~3 GB per tensor
+            for i in range(0, b * nb, 2048):
+                n = min(2048, b * nb - i)
+                x = torch.randn(n * G, HKV, D, generator=g, device=DEVICE)
+                blocks.append(Q.kivi_quantize_keys(x, bits, G) + Q.kivi_quantize_values(x, bits, G))
+            kc, ks, km, vc, vs, vm = (torch.cat([blk[i] for blk in blocks]) for i in range(6))
+            del blocks
+            table = torch.randperm(b * nb, generator=g, device=DEVICE).view(b, nb).int()
+            k, v = kv_pool(b * res, dtype, g)
+            r2t = req_table(b, res, b * res, g)
+            req = torch.arange(b, device=DEVICE, dtype=torch.int32)
+            n_blocks = torch.full((b,), nb, dtype=torch.int32, device=DEVICE)
+            res_len = torch.full((b,), res, dtype=torch.int32, device=DEVICE)
+            q = torch.randn(b, HQ, D, generator=g, device=DEVICE).to(dtype)
+            from sgl_kernel_sparse.triton_kivi import plan_kivi_splits
+
+            splits = plan_kivi_splits(b * HKV, nb, q.device)
+            per_block = (kc[0].numel() + vc[0].numel() + (ks[0].numel() + km[0].numel() + vs[0].numel()
+                         + vm[0].numel()) * ks.element_size())
+            moved = (b * nb * per_block + b * nb * 4 + 2 * b * res * HKV * D * k.element_size()
+                     + b * res * 4 + 2 * nbytes(q) + splits_bytes(b, splits))
+            args = (q, kc, ks, km, vc, vs, vm, table, req, n_blocks, k, v, r2t, res_len, bits, G)
+            configs = [dict()]
+            if sweep and b > 1:  # dot operand dtype, splits
+                configs += [dict(dot16=False), dict(num_splits=2 * splits), dict(num_splits=4 * splits)]
+            for cfg in configs:
+                s_cfg = cfg.get("num_splits", splits)
+                yield dict(kernel="kivi_decode_attention", shape=f"B={b} {bits}-bit ctx={ctx} G={G}",
+                           config=f"{cfg or 'auto'} S={s_cfg}",
+                           bytes=moved - splits_bytes(b, splits) + splits_bytes(b, s_cfg),
+                           run=lambda args=args, cfg=cfg: kivi_decode_attention(*args, **cfg),
+                           ref=None if b > 1 or cfg else (lambda args=args: Q.kivi_decode_attention(*args)))
+
+
+def cells_cases(dtype, quick, T, R, g):
+    """PyramidKV decode over per-layer cells (``triton_cells``): layer 1 of two, each request
+    with ``cells_rows`` packed rows in that layer (scattered over the layer's part of the flat
+    pool) and 64 decoded rows after them."""
+    rows, tail, layers = SIZES["cells_rows"], 64, 2
+    for b in SIZES["cells_batches"][-1:] if quick else SIZES["cells_batches"]:
+        kp = 2 * rows  # packed engine rows per request (the longest layer's budget)
+        per_req = kp + tail
+        slots = b * per_req
+        flat_k, flat_v = kv_pool(layers * slots, dtype, g)
+        r2t = req_table(b, per_req, slots, g)
+        req = torch.arange(b, device=DEVICE, dtype=torch.int32)
+        seq = torch.full((b,), per_req, dtype=torch.int32, device=DEVICE)
+        count = torch.tensor([[kp, rows]] * b, dtype=torch.int32, device=DEVICE)
+        offset = torch.tensor([[0, kp]] * b, dtype=torch.int32, device=DEVICE)
+        packed = torch.full((b,), kp, dtype=torch.int32, device=DEVICE)
+        entries = torch.zeros(layers * slots, dtype=torch.int32, device=DEVICE)
+        for i in range(b):  # layer 1's entries e in [kp, kp + rows): stored at slots + r2t[i, e - kp]
+            own = r2t[i, :kp].long()
+            pick = own[torch.randperm(kp, generator=g, device=DEVICE)[:rows]].sort().values
+            entries[slots + r2t[i, :rows].long()] = (slots + pick).int()
+        q = torch.randn(b, HQ, D, generator=g, device=DEVICE).to(dtype)
+        n = rows + tail
+        moved = (2 * nbytes(q) + b * n * 4 * 2 + 2 * b * HQ * n * D * flat_k.element_size()
+                 + splits_bytes(b, 1))
+        args = (q, flat_k, flat_v, r2t, req, seq, entries, offset, count, packed, 1, slots)
+        yield dict(kernel="cells_decode_attention", shape=f"B={b} rows={n}", config="auto", bytes=moved,
+                   run=lambda args=args: T.cells_decode_attention(*args),
+                   ref=lambda args=args: R.cells_decode_attention(*args))
+
+
 def main() -> int:
     args = parse_args()
     if not torch.cuda.is_available():
@@ -195,19 +275,33 @@ def main() -> int:
     timer = Timer(args.warmup, args.iters, not args.no_flush)
     g = torch.Generator(device=DEVICE).manual_seed(0)
     ceiling = args.hbm_tbps * 1e12
-    gens = [decode_cases(dtype, args.quick, args.sweep, T, R, g),
-            quest_cases(dtype, args.quick, T, R, g),
-            snapkv_cases(dtype, args.quick, T, R, g),
-            compact_cases(dtype, args.quick, T, R, g)]
+    groups = {"decode": lambda: decode_cases(dtype, args.quick, args.sweep, T, R, g),
+              "quest": lambda: quest_cases(dtype, args.quick, T, R, g),
+              "snapkv": lambda: snapkv_cases(dtype, args.quick, T, R, g),
+              "compact": lambda: compact_cases(dtype, args.quick, T, R, g),
+              "kivi": lambda: kivi_cases(dtype, args.quick, args.sweep, T, R, g),
+              "cells": lambda: cells_cases(dtype, args.quick, T, R, g)}
+    unknown = set(args.only or ()) - set(groups)
+    if unknown:
+        print(f"--only: unknown group(s) {sorted(unknown)}; allowed: {sorted(groups)}", file=sys.stderr)
+        return 2
+    gens = [make() for name, make in groups.items() if args.only is None or name in args.only]
     results = []
-    head = (f"{'kernel':<30} {'shape':<30} {'config':<28} {'ms':>8} {'MB':>8} {'GB/s':>8} "
+    head = (f"{'kernel':<30} {'shape':<30} {'config':<40} {'ms':>8} {'MB':>8} {'GB/s':>8} "
             f"{'%HBM':>6} {'ref ms':>8} {'x ref':>6}")
     print(f"# {torch.cuda.get_device_name()}  dtype={args.dtype}  HBM ceiling {args.hbm_tbps} TB/s")
     print(head)
     print("-" * len(head))
     for gen in gens:
         for case in gen:
-            ms = timer(case["run"])
+            try:
+                ms = timer(case["run"])
+            except Exception as err:  # e.g. a sweep config out of shared memory: say so, go on
+                print(f"{case['kernel']:<30} {case['shape']:<30} {str(case['config']):<40} failed: "
+                      f"{type(err).__name__}: {str(err).splitlines()[0][:120]}", flush=True)
+                results.append(dict(kernel=case["kernel"], shape=case["shape"], config=str(case["config"]),
+                                    error=f"{type(err).__name__}: {err}"))
+                continue
             ref_ms = timer(case["ref"]) if case["ref"] is not None and not args.no_ref else None
             gbps = case["bytes"] / (ms * 1e-3) / 1e9
             row = {k: v for k, v in case.items() if k not in ("run", "ref")}
@@ -217,7 +311,7 @@ def main() -> int:
                 row["tflop_per_s"] = case["flops"] / (ms * 1e-3) / 1e12
             results.append(row)
             ref_s = f"{ref_ms:8.3f} {ref_ms / ms:6.1f}" if ref_ms else f"{'-':>8} {'-':>6}"
-            print(f"{row['kernel']:<30} {row['shape']:<30} {row['config']:<28} {ms:8.3f} "
+            print(f"{row['kernel']:<30} {row['shape']:<30} {row['config']:<40} {ms:8.3f} "
                   f"{case['bytes'] / 1e6:8.1f} {gbps:8.0f} {row['pct_hbm']:6.1f} {ref_s}",
                   flush=True)
     meta = dict(device=torch.cuda.get_device_name(), dtype=args.dtype, hbm_tbps=args.hbm_tbps,

@@ -98,6 +98,8 @@ class CacheManager:
         (one budget per layer) compacts per layer (``compact_layers``)."""
         if isinstance(keep, (list, tuple)):
             return self.compact_layers(rid, list(keep))
+        if keep.dim() == 1:
+            return self.compact_tokens(rid, keep)
         state = self.requests[rid]
         ret = state.retained
         layers, _, budget = keep.shape
@@ -110,7 +112,33 @@ class CacheManager:
             # they overlap the destinations)
             self.store.move_kv(layer, slots[src_rows[layer].to(slots.device)], slots[:budget])
         ret.keep(keep)  # a uniform map stays uniform: its row's tables stay clear (set at start)
-        return self._release_rows(state, slots, budget)
+        return self._release_rows(state, slots[budget:], budget)
+
+    def compact_tokens(self, rid: str, keep: torch.Tensor) -> int:
+        """Keep the logical positions ``keep`` (``[B]``, ascending) in every layer and KV head.
+        While the request's rows hold the same position in every layer and head (identity, or
+        token-uniform compactions only: StreamingLLM, KIVI), no KV moves: a slot holds one
+        token's KV of every layer, so rows ``[0, B)`` are re-pointed at the kept rows' slots and
+        the other slots are freed. Otherwise (a per-head map) the kept rows are moved as
+        ``compact`` does. Returns the number of slots freed."""
+        state = self.requests[rid]
+        ret = state.retained
+        if keep.numel() >= ret.n_rows:
+            return 0
+        have = ret.token_positions()
+        expanded = keep.view(1, 1, -1).expand(self.store.num_layers, ret.kv_heads, -1)
+        if have is None:
+            return self.compact(rid, expanded)
+        rows = torch.searchsorted(have, keep)
+        if bool((have[rows.clamp(max=len(have) - 1)] != keep).any()):
+            raise KeyError("a requested logical position has no KV (evicted or not computed)")
+        slots = self._resident_slots(state)  # may be a view of the table rewritten below
+        dropped = torch.ones(ret.n_rows, dtype=torch.bool)
+        dropped[rows] = False
+        freed = slots[dropped.to(slots.device)]  # (advanced indexing: copies)
+        self.store.set_row_slots(state.req_row, slots[rows.to(slots.device)])
+        ret.keep(expanded)
+        return self._release_rows(state, freed, keep.numel())
 
     def compact_layers(self, rid: str, keep: list[torch.Tensor]) -> int:
         """Per-layer budgets: layer l keeps the positions ``keep[l]`` (``[kv_heads, B_l]``,
@@ -143,12 +171,12 @@ class CacheManager:
         compact_kv(flat_k, flat_v, src.to(flat_k.device), torch.cat(dst).to(flat_k.device))
         ret.keep_layers(keep, [d.cpu() for d in dst], engine_rows)
         self._sync_tables(state, kept_slots)
-        return self._release_rows(state, slots, engine_rows)
+        return self._release_rows(state, slots[engine_rows:], engine_rows)
 
-    def _release_rows(self, state: RequestState, slots: torch.Tensor, rows: int) -> int:
-        """After a compaction: the request keeps engine rows ``[0, rows)``; the slots of the
-        others (``slots`` are its resident slots before) go back to the allocator."""
-        freed = slots[rows:].clone()
+    def _release_rows(self, state: RequestState, freed: torch.Tensor, rows: int) -> int:
+        """After a compaction: the request keeps engine rows ``[0, rows)``; ``freed``, the slots
+        no row points at any more, go back to the allocator."""
+        freed = freed.clone()
         self.store.truncate_rows(state.req_row, rows)
         self.store.free_slots(freed)
         self.counters["compactions"] += 1

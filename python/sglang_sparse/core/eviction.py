@@ -3,7 +3,8 @@
 An evicting method decides *what* to keep while a step runs (``finish_step``) and must not move
 rows while a forward may still read them; ``EvictingRuntime`` keeps the list of requests with a
 planned compaction and applies them in ``apply_pending`` (see ``runtime`` for the firing order).
-A subclass implements ``plan(rid)``: the logical positions to keep, ``[layers, kv_heads, B]``
+A subclass implements ``plan(rid)``: the logical positions to keep, ``[B]`` (the same tokens in
+every layer and head: rows are re-pointed, no KV moves), ``[layers, kv_heads, B]``
 (one budget for every layer) or a list of ``[kv_heads, B_l]`` per layer (per-layer budgets),
 or None when nothing is to be dropped.
 """

@@ -44,6 +44,10 @@ class KVStore(Protocol):
     def truncate_rows(self, req_row: int, n_rows: int) -> None:
         """The request now owns only rows ``[0, n_rows)``; the caller frees the others' slots."""
 
+    def set_row_slots(self, req_row: int, slots: torch.Tensor) -> None:
+        """Rows ``[0, len(slots))`` of a request now point at ``slots`` (a token-uniform
+        compaction re-points rows instead of moving KV)."""
+
     def bytes_per_slot(self) -> int:
         """Bytes one slot takes in the store's representation (K and V of every layer)."""
 
@@ -149,6 +153,9 @@ class TensorKVStore:
     def truncate_rows(self, req_row: int, n_rows: int) -> None:
         """The request now owns only rows ``[0, n_rows)`` (after a compaction freed the rest)."""
         self.lengths[req_row] = n_rows
+
+    def set_row_slots(self, req_row: int, slots: torch.Tensor) -> None:
+        self.table[req_row, : len(slots)] = slots.to(self.table.dtype)
 
     def release_row(self, req_row: int) -> None:
         """Request finished: free every page it still owns (what SGLang does on release)."""

@@ -117,6 +117,18 @@ class RetainedMap:
             raise KeyError("a requested logical position has no KV (evicted or not computed)")
         return rows
 
+    def token_positions(self) -> torch.Tensor | None:
+        """``[n_rows]``: the logical position of every row when it is the same in every layer and
+        KV head (identity, or only token-uniform compactions so far); None otherwise."""
+        if self.layer_kept is not None:
+            return None
+        if self.kept is None:
+            return torch.arange(self.n_rows)
+        if self.kept.stride(0) or self.kept.stride(1):
+            return None
+        tail = self.n_rows - self.kept.shape[2]
+        return torch.cat([self.kept[0, 0], torch.arange(self.logical_len - tail, self.logical_len)])
+
     def all_positions(self) -> torch.Tensor:
         positions = self.positions
         if positions is not None:
@@ -127,7 +139,10 @@ class RetainedMap:
         """After compaction: rows ``[0, k)`` hold ``logical`` (``[layers, heads, k]``, ascending)."""
         if self.layer_kept is not None:
             raise ValueError("a per-layer retained map is compacted per layer (keep_layers)")
-        self.kept = logical.clone()
+        if logical.stride(0) == 0 and logical.stride(1) == 0:  # the same in every layer and head
+            self.kept = logical[0, 0].clone().expand(logical.shape)
+        else:
+            self.kept = logical.clone()
         self.n_rows = logical.shape[2]
 
     def keep_layers(self, logical: list[torch.Tensor], cells: list[torch.Tensor], engine_rows: int) -> None:

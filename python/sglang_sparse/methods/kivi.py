@@ -142,8 +142,10 @@ class KIVIRuntime(EvictingRuntime):
         mine.extend(blocks)
         self.n_blocks[state.req_row] = len(mine)
         self.bump("kivi_blocks_written", n_groups)
-        positions = ret.all_positions()
-        return positions[..., n_groups * c.group:]  # the residual: every layer and head alike
+        held = ret.token_positions()  # KIVI's maps are token-uniform: rows re-pointed, no KV moved
+        if held is None:
+            held = ret.all_positions()
+        return held[..., n_groups * c.group:]  # the residual: every layer and head alike
 
     # -- decode (tensor-only: also captured into CUDA graphs) ----------------------------------
     def decode_view_tensors(self, batch: DecodeBatch) -> QuantizedDecodeView:

@@ -7,7 +7,10 @@ Granularity (the paper evicts one token per step): eviction runs at the engine's
 between steps, once ``evict_every`` tokens have accumulated past ``sinks + recent``. A request
 therefore holds between ``sinks + recent`` and ``sinks + recent + evict_every`` rows, and attention
 reads a recent window of ``recent`` to ``recent + evict_every - 1`` tokens. ``evict_every=1`` is the
-paper's step granularity (one compaction per decode step); the default 16 amortises the row moves.
+paper's step granularity (one compaction per decode step); the default 16 amortises the per-eviction
+bookkeeping. An eviction moves no KV: the kept tokens are the same in every layer and head, so the
+plan is 1-D and ``CacheManager.compact_tokens`` re-points the kept rows at their slots and frees
+the others (``docs/kv_payload.md``).
 
 The prompt is held whole while it is prefilled (chunks attend to all of it) and cut to sinks +
 recent after its last chunk, like SnapKV. Chain Cache resumes a chain from its sinks + window.
@@ -77,4 +80,7 @@ class StreamingLLMRuntime(EvictingRuntime):
         ret = self.cache.requests[rid].retained
         if ret.n_rows <= self.config.kept:
             return None
-        return streaming_keep(ret.all_positions(), self.config.sinks, self.config.recent)
+        held = ret.token_positions()  # [rows]: every layer and head keeps the same tokens
+        if held is None:  # not reachable for StreamingLLM's own maps; a per-head map still works
+            held = ret.all_positions()
+        return streaming_keep(held, self.config.sinks, self.config.recent)

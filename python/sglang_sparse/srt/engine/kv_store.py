@@ -44,6 +44,11 @@ class SGLangKVStore:
         """Nothing to do on the table: rows ``[0, n_rows)`` keep their slots. SGLang's per-request
         lengths are patched by ``step_hooks.before_prepare_for_decode`` right after."""
 
+    def set_row_slots(self, req_row: int, slots: torch.Tensor) -> None:
+        """SGLang's ``req_to_token`` row: its first ``len(slots)`` entries (the decode kernels and
+        CUDA graphs read the table, so nothing else changes)."""
+        self.req_to_token[req_row, : len(slots)] = slots.to(self.req_to_token.device, self.req_to_token.dtype)
+
     def flat_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer's K and V as ``[layers * slots, H, D]`` (``engine/flat_pool.py``)."""
         flat = STATE.scheduler.flat_kv
