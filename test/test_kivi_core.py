@@ -26,7 +26,7 @@ def test_kivi_blocks_equal_the_reference_and_decode_reads_them(bits):
     n_q = (length - R) // G * G  # 80 tokens quantized, 20 stay full precision
     ret = eng.ctl.cache.retained("a")
     assert (ret.n_rows, ret.logical_len, ret.offset) == (length - n_q, length, n_q)
-    mine = rt.owned["a"]
+    mine = eng.ctl.cache.requests["a"].metadata["kivi_blocks"]
     assert len(mine) == n_q // G and eng.store.free_count() == free0 - (length - n_q)
     for layer in range(LAYERS):
         kc, ks, km = quant.kivi_quantize_keys(k[layer][:n_q], bits, G, scale_dtype=torch.float16)
@@ -54,7 +54,7 @@ def test_kivi_blocks_equal_the_reference_and_decode_reads_them(bits):
         res_len = torch.tensor([eng.ctl.cache.requests["a"].retained.n_rows + 0], dtype=torch.int32)
         # the view was built before this step's safe point: if that point quantized a group the
         # rows moved since; those steps are skipped (11 of the 12 are checked)
-        if int(nb[0]) != len(rt.owned["a"]):
+        if int(nb[0]) != len(eng.ctl.cache.requests["a"].metadata["kivi_blocks"]):
             continue
         got = kivi_decode(dq[layer], rt.blocks, layer, view.block_table, torch.tensor([0]), nb,
                           eng.store.k[layer], eng.store.v[layer], eng.store.table, res_len, 1 / k[0].shape[-1] ** 0.5)
@@ -66,7 +66,7 @@ def test_kivi_blocks_equal_the_reference_and_decode_reads_them(bits):
         for h in range(HQ):
             w = torch.softmax((kh[:, h // (HQ // HKV)] @ dq[layer][0, h].float()) / k[0].shape[-1] ** 0.5, 0)
             torch.testing.assert_close(got[0, h], w @ vh[:, h // (HQ // HKV)], rtol=1e-4, atol=1e-4)
-    assert len(rt.owned["a"]) == (length + 12 - R) // G or len(rt.owned["a"]) == n_q // G + 1
+    assert len(eng.ctl.cache.requests["a"].metadata["kivi_blocks"]) == (length + 12 - R) // G or len(eng.ctl.cache.requests["a"].metadata["kivi_blocks"]) == n_q // G + 1
     eng.finish("a", 0)
     assert eng.store.free_count() == free0 and rt.blocks.free_count() == blocks0
 

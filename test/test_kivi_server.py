@@ -3,7 +3,8 @@ its prompt and while it decodes; counted in bytes (residual slots, codes, fp16 s
 it is stored in at most a fifth of the bytes of the model's bf16 KV (groups of 64, a residual
 of 32 to 95 tokens; with the default groups of 32 and residual 128 the ratio is 5.3 only far
 beyond the residual, see docs/kv_payload.md); decoding continues through
-the quantized history; every slot and block comes back, and Chain Cache is refused with a sentence."""
+the quantized history; every slot and block comes back once its chain is deleted (Chain Cache
+itself: ``test_kivi_chain_server.py``)."""
 
 from __future__ import annotations
 
@@ -61,19 +62,20 @@ def test_two_bit_history_takes_a_fifth_of_the_bf16_bytes(server):
         used = s["kv_bytes_used"] - idle["kv_bytes_used"]  # residual slots + blocks of this request
         assert used * 5 <= s["logical_tokens"] * per_bf16, (used, s["logical_tokens"])
         assert s["integrity"]["ok"]
+    parked = stats(server)  # the finished request's chain holds its residual rows and blocks
+    assert parked["counters"]["kivi_blocks_written"] >= (PROMPT + NEW - R - G) // G
+    assert parked["kv_bytes_used"] > idle["kv_bytes_used"]
+    cid = out["resp"].json()["meta_info"]["chain_id"]
+    assert requests.delete(f"{server.base_url}/chain/{cid}", timeout=60).status_code == 200
     done = stats(server)
-    assert done["counters"]["kivi_blocks_written"] >= (PROMPT + NEW - R - G) // G
     assert done["kv_free_slots"] == idle["kv_free_slots"] and done["kv_bytes_used"] == idle["kv_bytes_used"]
 
 
-def test_chain_cache_on_is_refused_for_kivi():
-    from sglang_sparse.registry import ConfigError
+def test_chain_cache_is_on_by_default_for_kivi():
     from sglang_sparse.srt.launcher import sparse_config
 
-    with pytest.raises(ConfigError, match="--chain-cache on is not supported by --sparse-method kivi"):
-        sparse_config(["--device", "cpu", "--sparse-method", "kivi", "--chain-cache", "on"], log=lambda m: None)
     config, _ = sparse_config(["--device", "cpu", "--sparse-method", "kivi"], log=lambda m: None)
-    assert config["chain_cache"] is False
+    assert config["chain_cache"] is True
 
 
 def test_prune_answers_409_with_a_sentence(server):

@@ -11,7 +11,7 @@ import torch
 
 from sglang_sparse.core.events import DecodeBatch, LayerInput, StepInfo, StepMode
 from sglang_sparse.core.runtime import SparseMethodRuntime
-from sglang_sparse.core.views import DecodeView, LayerRowsView, PagedDecodeView
+from sglang_sparse.core.views import DecodeView, LayerRowsView, PagedDecodeView, PrefixKVView
 
 
 class SparseController:
@@ -62,6 +62,9 @@ class SparseController:
         rows = self.layer_rows(layer)
         if rows is not None:
             return rows
+        prefix = self.prefix_view(layer)
+        if prefix is not None:
+            return prefix
         if layer.step.mode is StepMode.DECODE:
             return self.runtime.build_decode_selection(layer)
         return None
@@ -83,6 +86,15 @@ class SparseController:
             c = self.cache.layer_cells(r.rid, layer.layer_id)
             cells.append(c[: c.numel() - r.num_tokens])  # the rows before this chunk
         return LayerRowsView(tuple(cells))
+
+    def prefix_view(self, layer: LayerInput) -> PrefixKVView | None:
+        """Prefill and mixed steps: the history of prefilling requests held outside the slot
+        table (``runtime.prefix_kv``), when any request has one; None otherwise."""
+        if layer.step.mode is StepMode.DECODE:
+            return None
+        prefix = tuple(self.runtime.prefix_kv(r.rid, layer.layer_id) if r.is_prefill and r.rid in self.cache.requests
+                       else None for r in layer.step.requests)
+        return PrefixKVView(prefix) if any(p is not None for p in prefix) else None
 
     def decode_view_tensors(self, batch: DecodeBatch) -> PagedDecodeView | None:
         """Decode layers of ``graph_decode`` methods (also while a CUDA graph is captured). The

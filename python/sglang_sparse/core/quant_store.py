@@ -21,7 +21,8 @@ the rounded values, so the reconstruction is exact in the stored dtype).
 from __future__ import annotations
 
 import torch
-from sgl_kernel_sparse.quant import kivi_quantize_keys, kivi_quantize_values
+from sgl_kernel_sparse.quant import (kivi_dequantize_keys, kivi_dequantize_values, kivi_quantize_keys,
+                                     kivi_quantize_values)
 
 SCALE_DTYPE = torch.float16
 
@@ -75,6 +76,13 @@ class QuantizedBlockStore:
         vc, vs, vm = kivi_quantize_values(v, self.bits, self.group, scale_dtype=SCALE_DTYPE)
         self.k_codes[layer][idx], self.k_scale[layer][idx], self.k_min[layer][idx] = kc, ks, km
         self.v_codes[layer][idx], self.v_scale[layer][idx], self.v_min[layer][idx] = vc, vs, vm
+
+    def read(self, layer: int, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K and V (fp32 ``[len(blocks) * G, H, D]``, blocks in the order given) of
+        one layer: what a prefill chunk attends of a quantized history."""
+        idx = torch.tensor(blocks, dtype=torch.int64, device=self.k_codes[layer].device)
+        kc, ks, km, vc, vs, vm = (t[idx] for t in self.layer(layer))
+        return kivi_dequantize_keys(kc, ks, km, self.bits), kivi_dequantize_values(vc, vs, vm, self.bits)
 
     def layer(self, layer: int) -> tuple[torch.Tensor, ...]:
         """``(k_codes, k_scale, k_min, v_codes, v_scale, v_min)`` of one layer (kernel order)."""

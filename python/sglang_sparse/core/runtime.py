@@ -36,7 +36,7 @@ from sglang_sparse.core.memory_oracle import MemoryOracle
 from sglang_sparse.core.views import DecodeView, PagedDecodeView
 
 
-LAYER_HOOKS = ("before_attention", "on_prefill_chunk", "build_decode_selection",
+LAYER_HOOKS = ("before_attention", "on_prefill_chunk", "prefix_kv", "build_decode_selection",
                "after_attention", "on_layer_end")
 # The per-layer hooks that fire in decode steps (``on_prefill_chunk`` never does).
 DECODE_LAYER_HOOKS = ("before_attention", "build_decode_selection", "after_attention", "on_layer_end")
@@ -110,6 +110,15 @@ class SparseMethodRuntime:
     def on_request_end(self, rid: str) -> None:
         """Before the cache manager drops the request's state."""
 
+    def on_request_parked(self, rid: str) -> None:
+        """The request's state (retained map + metadata) goes to a chain (Chain Cache) before it
+        ends: whatever its metadata owns in a method store now belongs to the chain, so
+        ``on_request_end`` must keep it. A resuming request gets that metadata back."""
+
+    def release_parked(self, metadata: dict) -> None:
+        """A parked chain is dropped (deleted, reclaimed, invalidated): free what ``metadata``
+        owns in a method store."""
+
     # -- step hooks --------------------------------------------------------------------------
     def prepare_step(self, step: StepInfo) -> None:
         """Once per forward, before the model runs."""
@@ -119,6 +128,13 @@ class SparseMethodRuntime:
 
     def on_prefill_chunk(self, layer: LayerInput) -> None:
         """Every layer of a step with prefill tokens: the chunk's q/k/v (scoring, summaries)."""
+
+    def prefix_kv(self, rid: str, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Prefill chunks: the request's history that the engine's slot table does not hold (a
+        method store's tokens, e.g. KIVI's quantized blocks, dequantized), as K / V
+        ``[n, H_kv, d]`` of logical positions ``[0, n)``; the chunk attends it, then its resident
+        rows, then itself causally. None: the resident rows are the whole history."""
+        return None
 
     def build_decode_selection(self, layer: LayerInput) -> DecodeView | None:
         """Every layer of a decode step: the rows attention reads. None: all resident rows."""

@@ -62,6 +62,16 @@ class LayerRowsView:
 
 
 @dataclass(frozen=True)
+class PrefixKVView:
+    """A prefill or mixed step where some request's history lies outside the engine's slot table
+    (``SparseMethodRuntime.prefix_kv``: a resumed KIVI chain's quantized blocks, dequantized):
+    ``prefix[i] = (k, v)`` ``[n, H_kv, d]``, logical positions ``[0, n)``, which request i's chunk
+    attends before its resident rows; None where the slot table is the whole history."""
+
+    prefix: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]
+
+
+@dataclass(frozen=True)
 class QuantizedDecodeView:
     """A quantized history (``core/quant_store``): request i reads its ``n_blocks[i]`` blocks
     (``block_table`` row = its engine row, like the slot table) and then its resident

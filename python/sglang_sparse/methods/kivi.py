@@ -24,8 +24,15 @@ bytes (``engine/payload_pool.py``): ``fp_fraction`` of it stays SGLang's full-pr
 (prompts being prefilled, residual windows: what ``kv_total_slots`` and admission count), the
 rest is the block store; ``/sparse/stats`` adds both in bytes. When the block store is full a
 request keeps its tokens in full precision (``kivi_store_full`` counts it) and SGLang's own memory
-checks apply to its rows: admission does not count blocks yet. Chain Cache, the radix cache and ``/prune`` are not
-supported with KIVI yet (the launcher turns the radix cache off and refuses ``--chain-cache on``).
+checks apply to its rows: admission does not count blocks yet.
+
+Chain Cache: a finished request parks its residual rows (as every evicting method) and its blocks
+(``metadata["kivi_blocks"]``, which the chain then owns: ``on_request_parked``, freed by
+``release_parked`` when the chain goes). A continuation gets both back, so the history is not
+re-quantized; its prefill chunk attends the history's dequantized blocks (``prefix_kv``, plain
+torch, once per layer and chunk), then the residual rows, then itself, and after its last chunk
+the groups past the residual window are quantized as usual. The radix cache and ``/prune`` are
+not supported with KIVI yet (the launcher turns the radix cache off; ``/prune`` answers 409).
 """
 
 from __future__ import annotations
@@ -63,7 +70,6 @@ class KIVIConfig:
 
 @register_method("kivi", "quantization", KIVIConfig, "2/4-bit KV (keys per channel, values per token) + fp residual")
 class KIVIRuntime(EvictingRuntime):
-    supports_chains = False
     graph_decode = True
 
     @staticmethod
@@ -90,7 +96,8 @@ class KIVIRuntime(EvictingRuntime):
         # block_table[engine row, j]: the j-th block of the request on that row (kernel input)
         self.table = torch.zeros(rows, -(-max_len // c.group), dtype=torch.int32, device=k0.device)
         self.n_blocks = torch.zeros(rows, dtype=torch.int32, device=k0.device)  # blocks per engine row
-        self.owned: dict[str, list[int]] = {}  # request -> its blocks, in token order
+        # a request's blocks, in token order: metadata["kivi_blocks"] (travels with its chain)
+        self.parked: set[str] = set()  # requests whose blocks went to a chain
 
     # -- the store -------------------------------------------------------------------------------
     def payload_bytes_per_token(self) -> float:
@@ -102,14 +109,36 @@ class KIVIRuntime(EvictingRuntime):
         return self.blocks.num_blocks * per, (self.blocks.num_blocks - self.blocks.free_count()) * per
 
     # -- lifecycle -------------------------------------------------------------------------------
+    def _blocks_of(self, rid: str) -> list[int]:
+        return self.cache.requests[rid].metadata.get("kivi_blocks", [])
+
     def on_request_start(self, rid: str) -> None:
-        self.n_blocks[self.cache.requests[rid].req_row] = 0  # the row may have served another request
+        state = self.cache.requests[rid]
+        blocks = self._blocks_of(rid)  # a resumed chain's history; [] for a new request
+        if blocks:
+            self.table[state.req_row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        self.n_blocks[state.req_row] = len(blocks)  # the row may have served another request
+
+    def on_request_parked(self, rid: str) -> None:
+        self.parked.add(rid)
 
     def on_request_end(self, rid: str) -> None:
-        blocks = self.owned.pop(rid, None)
+        blocks = self._blocks_of(rid)
         self.n_blocks[self.cache.requests[rid].req_row] = 0
-        if blocks:
+        if rid in self.parked:  # the chain owns them now
+            self.parked.discard(rid)
+        elif blocks:
             self.blocks.free(blocks)
+
+    def release_parked(self, metadata: dict) -> None:
+        if metadata.get("kivi_blocks"):
+            self.blocks.free(metadata["kivi_blocks"])
+
+    def prefix_kv(self, rid: str, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A resumed chain's quantized history, dequantized for its prefill chunks (a new
+        request's prompt has no blocks while it is prefilled)."""
+        blocks = self._blocks_of(rid)
+        return self.blocks.read(layer_id, blocks) if blocks else None
 
     def finish_step(self, step: StepInfo) -> None:
         c = self.config
@@ -137,9 +166,9 @@ class KIVIRuntime(EvictingRuntime):
         slots = self.cache.resident_slots(rid)[: n_groups * c.group].to(self.table.device)
         for layer in range(store.num_layers):
             self.blocks.write(layer, blocks, store.k_buffer(layer)[slots], store.v_buffer(layer)[slots])
-        mine = self.owned.setdefault(rid, [])
+        mine = state.metadata.get("kivi_blocks", [])
         self.table[state.req_row, len(mine): len(mine) + n_groups] = torch.tensor(blocks, dtype=torch.int32)
-        mine.extend(blocks)
+        mine = state.metadata["kivi_blocks"] = mine + blocks  # a new list: a parked copy keeps its own
         self.n_blocks[state.req_row] = len(mine)
         self.bump("kivi_blocks_written", n_groups)
         held = ret.token_positions()  # KIVI's maps are token-uniform: rows re-pointed, no KV moved

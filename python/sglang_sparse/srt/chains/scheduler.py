@@ -57,6 +57,8 @@ def _free_payload(store, payload) -> None:
     if isinstance(payload, Pinned):
         payload.cache.tree.unlock(payload.node)
         return
+    STATE.scheduler.controller.runtime.release_parked(payload.metadata)  # e.g. KIVI's blocks
+    payload.metadata = {}
     kv = payload.kv
     if kv.req_pool_idx is None:
         return
@@ -202,6 +204,7 @@ def before_release(req) -> None:
     known = STATE.scheduler.controller.cache.requests.get(req.rid)
     if req.finished() and not isinstance(req.finished_reason, FINISH_ABORT) and known is not None:
         sparse(req).park = Parked(None, copy.deepcopy(known.retained), dict(known.metadata))
+        STATE.scheduler.controller.runtime.on_request_parked(req.rid)  # its method store goes too
     else:  # cancelled, failed or retracted: the request's own release frees its rows
         idx.invalidate(ch.chain_id, "aborted" if req.finished() else "preempted")
 
@@ -223,7 +226,11 @@ def before_release_aborted(scheduler, req, *args, **kwargs):
     if req.kv.holds_kv:
         from sglang.srt.mem_cache.common import release_kv_cache
 
+        lent = isinstance(ch.lent, Parked) and req.kv is ch.lent.kv  # the rows were lent to it
         release_kv_cache(req, scheduler.tree_cache, checkpoint=False)  # runs before_release
+        if lent:  # never attached to the controller: what its metadata owns goes too (KIVI's blocks)
+            STATE.scheduler.controller.runtime.release_parked(ch.lent.metadata)
+            ch.lent.metadata = {}
     idx.invalidate(ch.chain_id, "cancelled before it ran")
     return None
 

@@ -24,9 +24,9 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_sparse.core.events import DecodeBatch, LayerInput
-from sglang_sparse.core.views import CellsDecodeView, DecodeView, LayerRowsView, QuantizedDecodeView
+from sglang_sparse.core.views import CellsDecodeView, DecodeView, LayerRowsView, PrefixKVView, QuantizedDecodeView
 from sglang_sparse.kernels.decode import decode_over_cells, decode_over_pages, decode_over_views
-from sglang_sparse.kernels.prefill import extend_over_cells
+from sglang_sparse.kernels.prefill import extend_over_cells, extend_over_kv
 from sglang_sparse.kernels.quantized import kivi_decode
 from sglang_sparse.srt.prune import scheduler as prune
 from sglang_sparse.srt.state import STATE
@@ -74,6 +74,8 @@ class SparseHooks:
             o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache=False)
             if isinstance(view, LayerRowsView):  # earlier rows in per-layer cells: recompute those
                 self._extend_over_cells(inp, view, layer, o.view(-1, layer.tp_q_head_num, layer.v_head_dim))
+            elif isinstance(view, PrefixKVView):  # history in a method store: recompute those
+                self._extend_over_prefix(inp, view, layer, o.view(-1, layer.tp_q_head_num, layer.v_head_dim))
             STATE.scheduler.controller.attention_done(inp, o.view(-1, layer.tp_q_head_num, layer.v_head_dim))
         if STATE.scheduler.probe_rows and self._plain(k, layer, save_kv_cache, kwargs):
             prune.capture(self, q, layer, forward_batch)  # a /prune probe scores its interval
@@ -138,6 +140,23 @@ class SparseHooks:
             out[start: start + n] = extend_over_cells(
                 inp.request_tokens(i, inp.q), inp.request_tokens(i, inp.k), inp.request_tokens(i, inp.v),
                 flat_k, flat_v, cells, layer.scaling)
+
+    def _extend_over_prefix(self, inp: LayerInput, view: PrefixKVView, layer, out) -> None:
+        k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        table = self.req_to_token_pool.req_to_token
+        for i, prefix in enumerate(view.prefix):
+            if prefix is None:
+                continue
+            r = inp.step.requests[i]
+            # history = the method's prefix (logical [0, n)), then resident rows [0, row_start)
+            slots = table[r.req_row, : r.row_start].long()
+            k_prev = torch.cat([prefix[0].to(k_cache.dtype), k_cache[slots]])
+            v_prev = torch.cat([prefix[1].to(v_cache.dtype), v_cache[slots]])
+            start = inp.step.token_offsets[i]
+            out[start: start + r.num_tokens] = extend_over_kv(
+                inp.request_tokens(i, inp.q), inp.request_tokens(i, inp.k), inp.request_tokens(i, inp.v),
+                k_prev, v_prev, layer.scaling)
 
     def _decode_over_view(self, inp: LayerInput, view: DecodeView, layer, forward_batch):
         reqs = inp.step.requests
