@@ -34,6 +34,14 @@ def default_model_dir():
     return ensure_default_model()
 
 
+@pytest.fixture(scope="session")
+def tok(default_model_dir):
+    """The default model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(default_model_dir))
+
+
 def start_server(args, request, module="sglang_sparse.launch_server", env=None, timeout=400):
     """Start a server for one test module; on failure the error shows the server's log."""
     from sglang_sparse.server_process import ServerProcess

@@ -29,13 +29,6 @@ def server(request, default_model_dir):
 
 
 @pytest.fixture(scope="module")
-def tok(default_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(default_model_dir))
-
-
-@pytest.fixture(scope="module")
 def haystack(tok):
     return essays_tokens(tok)
 

@@ -100,6 +100,13 @@ class SparseMethodRuntime:
         """Bytes per token of the method's own representation; None: the engine pool's."""
         return None
 
+    def store_admits(self, prompt_len: int, max_new_tokens: int, others: list[tuple[str, int, int]]) -> bool:
+        """Admission of a method with its own store (the engine's slots are checked by the
+        engine): whether a request of ``prompt_len`` + ``max_new_tokens`` tokens fits the store
+        next to ``others`` (``(rid, prompt_len, max_new_tokens)`` of the requests already running
+        or admitted this round), counting what each still needs over its life. True by default."""
+        return True
+
     def bump(self, counter: str, n: int = 1) -> None:
         self.counters[counter] = self.counters.get(counter, 0) + n
 

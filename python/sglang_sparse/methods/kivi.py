@@ -24,7 +24,10 @@ bytes (``engine/payload_pool.py``): ``fp_fraction`` of it stays SGLang's full-pr
 (prompts being prefilled, residual windows: what ``kv_total_slots`` and admission count), the
 rest is the block store; ``/sparse/stats`` adds both in bytes. When the block store is full a
 request keeps its tokens in full precision (``kivi_store_full`` counts it) and SGLang's own memory
-checks apply to its rows: admission does not count blocks yet.
+checks apply to its rows. Admission counts blocks (``store_admits``): a request is admitted while
+its blocks over its whole life (``(prompt + max_new - residual) // group``) fit next to what the
+running requests still need; a request alone in the engine is always admitted (it then falls back
+as above rather than waiting for nothing).
 
 Chain Cache: a finished request parks its residual rows (as every evicting method) and its blocks
 (``metadata["kivi_blocks"]``, which the chain then owns: ``on_request_parked``, freed by
@@ -107,6 +110,18 @@ class KIVIRuntime(EvictingRuntime):
         """(total, used) bytes of the block store."""
         per = self.blocks.bytes_per_block()
         return self.blocks.num_blocks * per, (self.blocks.num_blocks - self.blocks.free_count()) * per
+
+    def _blocks_for(self, tokens: int) -> int:
+        """Blocks a request of ``tokens`` logical tokens holds at its end (at least ``residual``
+        tokens stay full precision)."""
+        return max(0, tokens - self.config.residual) // self.config.group
+
+    def store_admits(self, prompt_len: int, max_new_tokens: int, others: list[tuple[str, int, int]]) -> bool:
+        ahead = 0
+        for rid, p, n in others:  # blocks the others will still write
+            held = len(self._blocks_of(rid)) if rid in self.cache.requests else 0
+            ahead += max(0, self._blocks_for(p + n) - held)
+        return self._blocks_for(prompt_len + max_new_tokens) + ahead <= self.blocks.free_count()
 
     # -- lifecycle -------------------------------------------------------------------------------
     def _blocks_of(self, rid: str) -> list[int]:

@@ -36,6 +36,7 @@ from http import HTTPStatus
 from sglang_sparse.core.chain_index import (ChainBusy, ChainCacheIndex, ChainError, ChainStatus, NoChainCapacity,
                                              fingerprint)
 from sglang_sparse.srt.chains.records import Parked, Pinned, ReqChain
+from sglang_sparse.srt.engine.admission import store_claims
 from sglang_sparse.srt.engine.held import scheduler_requests
 from sglang_sparse.srt.prune.job import PROBE_KEY
 from sglang_sparse.srt.state import STATE, sparse
@@ -306,7 +307,8 @@ def parked_records() -> dict:
 def reclaim_for(scheduler, running_batch=None) -> None:
     """Before admission: free idle chains, least recently used first (active chains are never
     touched), when the first waiting request cannot fit: by the arithmetic (prompt + decode
-    reserve against free slots, a free req_to_token row), or because nothing runs and it is still
+    reserve against free slots, a free req_to_token row; or a method store that cannot hold it, one
+    chain per round, as idle chains may hold that store's units), or because nothing runs and it is still
     first in line after a scheduling round (SGLang's admission keeps margins of its own; one more
     chain per round)."""
     idx = STATE.scheduler.chains
@@ -318,8 +320,11 @@ def reclaim_for(scheduler, running_batch=None) -> None:
     need = prompt + 1 + STATE.scheduler.controller.oracle.decode_reserve(prompt, req.sampling_params.max_new_tokens or 0)
     # free slots plus unpinned radix-cached slots (SGLang evicts those itself when it allocates)
     free = STATE.scheduler.controller.cache.store.free_count() + int(scheduler.tree_cache.evictable_size())
+    running = store_claims(running_batch.reqs if running_batch is not None else [])
     if free < need or scheduler.req_to_token_pool.available_size() < 1:
         idx.reclaim(max(need - free, 1))
+    elif not STATE.scheduler.controller.runtime.store_admits(prompt, req.sampling_params.max_new_tokens or 0, running):
+        idx.reclaim(1)  # a method store (KIVI's blocks) is short: idle chains hold some of it
     elif ((running_batch is None or running_batch.is_empty()) and getattr(scheduler, "chunked_req", None) is None
           and STATE.scheduler.refused_head == req.rid):
         idx.reclaim(1)  # the same request was first in line last round too, and nothing runs

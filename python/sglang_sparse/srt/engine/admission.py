@@ -22,6 +22,9 @@ evicted rows back to SGLang's allocator and SGLang's decode check reads ``kv_com
   ``max_new``. The prefill chunk itself is still charged in full (``current_offset``): its rows
   are really allocated before compaction frees them.
 
+- a method store (``runtime.store_admits``, KIVI's blocks): a request waits while its units over
+  its life do not fit next to what the running requests still need (unless nothing else runs).
+
 Installed only when the method evicts; dense and Quest keep SGLang's own arithmetic.
 """
 
@@ -64,6 +67,11 @@ def around_init_req_max_new_tokens(original, scheduler, req, *args, **kwargs):
         scheduler.max_req_len = saved
 
 
+def store_claims(reqs, but=None) -> list[tuple[str, int, int]]:
+    """``(rid, prompt_len, max_new_tokens)`` of ``reqs`` (less ``but``), for ``store_admits``."""
+    return [(r.rid, len(r.origin_input_ids), r.sampling_params.max_new_tokens or 0) for r in reqs if r is not but]
+
+
 @functools.cache
 def _oracle_adder(base: type) -> type:
     """A PrefillAdder subclass whose reservations come from the controller's MemoryOracle (one
@@ -73,6 +81,15 @@ def _oracle_adder(base: type) -> type:
         _oracle_prompt_len: int | None = None
 
         def add_one_req(self, req, *args, **kwargs):
+            others = store_claims([*self.running_batch.reqs, *self.can_run_list], req)
+            # a method store (KIVI's blocks) must hold the request too; alone (or finishing with
+            # an error at once), it always runs
+            if others and req.to_finish is None and not STATE.scheduler.controller.runtime.store_admits(
+                    len(req.origin_input_ids), req.sampling_params.max_new_tokens or 0, others):
+                from sglang.srt.managers.schedule_policy import AddReqResult
+
+                STATE.scheduler.controller.runtime.bump("store_admission_waits")
+                return AddReqResult.NO_TOKEN
             # SGLang's ignore-eos path simulates finishing requests handing back their *logical*
             # length, which overstates what an evicting method frees; use the budget path.
             sp = req.sampling_params
