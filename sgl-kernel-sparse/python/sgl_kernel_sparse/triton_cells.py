@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .triton_common import check_device, check_rows, num_sms, pow2
-from .triton_decode import merge_splits, split_buffers
+from .triton_decode import _attend_tile, _store_head, merge_splits, split_buffers
 
 LOG2E = 1.4426950408889634
 
@@ -65,27 +65,10 @@ def _cells_partial_kernel(
         pcell = tl.load(ENTRIES + (e // k1) * slots_per_layer + pslot, mask=packed, other=0).to(tl.int64)
         tslot = tl.load(row + kp + n - cnt, mask=ok & (n >= cnt), other=0).to(tl.int64)
         cell = tl.where(n < cnt, pcell, base_cell + tslot)  # base_cell: layer * S_L
-        tile_mask = ok[:, None] & dmask[None, :]
-        k = tl.load(K + cell[:, None] * s_ks + kvh * s_kh + d[None, :], mask=tile_mask, other=0.0)
-        logit = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
-        logit = tl.where(ok, logit, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(logit, axis=0))
-        m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(logit - m_ref)
-        v = tl.load(V + cell[:, None] * s_vs + kvh * s_vh + d[None, :], mask=tile_mask, other=0.0)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(K, V, cell, ok, q, kvh, d, dmask, s_ks, s_kh, s_vs, s_vh, m_i, l_i, acc)
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = acc / l_safe
-    if SPLIT:
-        base = (b * tl.num_programs(1) + h) * n_split + s
-        tl.store(O_PART + base * D + d, o, mask=dmask)
-        tl.store(LSE_PART + base, tl.where(l_i > 0, m_i + tl.log2(l_safe), -float("inf")))
-    else:
-        tl.store(OUT + b * s_ob + h * s_oh + d, o.to(OUT.dtype.element_ty), mask=dmask)
+    o = acc / tl.where(l_i > 0, l_i, 1.0)
+    _store_head(OUT, O_PART, LSE_PART, o, m_i, l_i, b, h, s, d, dmask, s_ob, s_oh, D, SPLIT)
 
 
 def plan_cell_splits(programs, device, num_splits=None):

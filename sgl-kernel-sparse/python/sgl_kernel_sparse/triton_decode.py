@@ -23,6 +23,41 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _attend_tile(K, V, rows, ok, q, kvh, d, dmask, s_k, s_kh, s_v, s_vh, m_i, l_i, acc):
+    """One tile of one query head's online softmax (fp32, base-2 logits: ``q`` carries the
+    softmax scale times log2 e): keys and values of KV head ``kvh`` at the pool rows ``rows``
+    (``[BLOCK_N]``, ``ok`` marks the valid ones). Returns the updated ``(m_i, l_i, acc)``.
+    Shared by every per-head decode kernel of the package (sparse, paged, FP8, cells)."""
+    tile_mask = ok[:, None] & dmask[None, :]
+    k = tl.load(K + rows[:, None] * s_k + kvh * s_kh + d[None, :], mask=tile_mask, other=0.0)
+    logit = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+    logit = tl.where(ok, logit, -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(logit, axis=0))
+    m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet: avoid inf-inf
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(logit - m_ref)
+    v = tl.load(V + rows[:, None] * s_v + kvh * s_vh + d[None, :], mask=tile_mask, other=0.0)
+    acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _store_head(OUT, O_PART, LSE_PART, o, m_i, l_i, b, h, s, d, dmask, s_ob, s_oh,
+                D: tl.constexpr, SPLIT: tl.constexpr):
+    """A program's result for query head ``h`` of request ``b``: with split-K its normalized
+    partial ``o`` and log-sum-exp (``O_PART [B, Hq, S, D]``, ``LSE_PART [B, Hq, S]``, merged by
+    ``_decode_reduce_kernel``), else the output row."""
+    if SPLIT:
+        base = (b * tl.num_programs(1) + h) * tl.num_programs(2) + s
+        tl.store(O_PART + base * D + d, o, mask=dmask)
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        tl.store(LSE_PART + base, tl.where(l_i > 0, m_i + tl.log2(l_safe), -float("inf")))
+    else:
+        tl.store(OUT + b * s_ob + h * s_oh + d, o.to(OUT.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
 def _decode_partial_kernel(
     Q, K, V, REQ_TO_TOKEN, REQ_ROWS, IDX, VALID, SEQ_LENS, OUT, O_PART, LSE_PART,
     qk_scale, N, chunk,
@@ -34,7 +69,6 @@ def _decode_partial_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    n_split = tl.num_programs(2)
     kvh = h // GROUP
     req = tl.load(REQ_ROWS + b).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -60,27 +94,10 @@ def _decode_partial_kernel(
             pos = tl.load(IDX + b * s_ib + h * s_ih + n * s_in, mask=live, other=0).to(tl.int64)
             ok = live & (tl.load(VALID + b * s_mb + h * s_mh + n * s_mn, mask=live, other=0) != 0)
         slot = tl.load(REQ_TO_TOKEN + req * s_rt + pos, mask=ok, other=0).to(tl.int64)
-        tile_mask = ok[:, None] & dmask[None, :]
-        k = tl.load(K + slot[:, None] * s_ks + kvh * s_kh + d[None, :], mask=tile_mask, other=0.0)
-        logit = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
-        logit = tl.where(ok, logit, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(logit, axis=0))
-        m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet: avoid inf-inf
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(logit - m_ref)
-        v = tl.load(V + slot[:, None] * s_vs + kvh * s_vh + d[None, :], mask=tile_mask, other=0.0)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(K, V, slot, ok, q, kvh, d, dmask, s_ks, s_kh, s_vs, s_vh, m_i, l_i, acc)
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = acc / l_safe  # a head (or split) with no valid entry: acc = 0 -> zeros
-    if SPLIT:
-        base = (b * tl.num_programs(1) + h) * n_split + s  # O_PART [B, Hq, S, D], LSE [B, Hq, S]
-        tl.store(O_PART + base * D + d, o, mask=dmask)
-        tl.store(LSE_PART + base, tl.where(l_i > 0, m_i + tl.log2(l_safe), -float("inf")))
-    else:
-        tl.store(OUT + b * s_ob + h * s_oh + d, o.to(OUT.dtype.element_ty), mask=dmask)
+    o = acc / tl.where(l_i > 0, l_i, 1.0)  # a head (or split) with no valid entry: acc = 0 -> zeros
+    _store_head(OUT, O_PART, LSE_PART, o, m_i, l_i, b, h, s, d, dmask, s_ob, s_oh, D, SPLIT)
 
 
 @triton.jit

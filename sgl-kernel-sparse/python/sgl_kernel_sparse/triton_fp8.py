@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .quant import FP8_DTYPE
 from .triton_common import check_device, check_rows, num_sms, pow2
-from .triton_decode import merge_splits, split_buffers
+from .triton_decode import _attend_tile, _store_head, merge_splits, split_buffers
 
 LOG2E = 1.4426950408889634
 
@@ -53,27 +53,10 @@ def _fp8_decode_kernel(
         n = n0 + tl.arange(0, BLOCK_N)
         ok = n < stop
         slot = tl.load(REQ_TO_TOKEN + req * s_rt + n, mask=ok, other=0).to(tl.int64)
-        row_mask = ok[:, None] & dmask[None, :]
-        k = tl.load(K + slot[:, None] * s_ks + kvh * s_kh + d[None, :], mask=row_mask, other=0.0)
-        logit = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
-        logit = tl.where(ok, logit, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(logit, axis=0))
-        m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet: avoid inf-inf
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(logit - m_ref)
-        v = tl.load(V + slot[:, None] * s_vs + kvh * s_vh + d[None, :], mask=row_mask, other=0.0)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(K, V, slot, ok, q, kvh, d, dmask, s_ks, s_kh, s_vs, s_vh, m_i, l_i, acc)
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = acc * (v_sc / l_safe)  # nothing read (empty request or split): zeros
-    if SPLIT:
-        base = (b * tl.num_programs(1) + h) * n_split + s  # O_PART [B, Hq, S, D], LSE [B, Hq, S]
-        tl.store(O_PART + base * D + d, o, mask=dmask)
-        tl.store(LSE_PART + base, tl.where(l_i > 0, m_i + tl.log2(l_safe), -float("inf")))
-    else:
-        tl.store(OUT + b * s_ob + h * s_oh + d, o.to(OUT.dtype.element_ty), mask=dmask)
+    o = acc * (v_sc / tl.where(l_i > 0, l_i, 1.0))  # nothing read (empty request or split): zeros
+    _store_head(OUT, O_PART, LSE_PART, o, m_i, l_i, b, h, s, d, dmask, s_ob, s_oh, D, SPLIT)
 
 
 def _scale_stride(sc, hkv, name):
