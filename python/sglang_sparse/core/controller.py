@@ -29,6 +29,10 @@ class SparseController:
             raise TypeError(f"{type(runtime).__name__}: per-layer rows decode through CellsDecodeView "
                             "(decode_view_tensors): set graph_decode = True")
         self.decode_hooks = type(runtime).decode_needs_python()
+        # Only methods with a store of their own are asked for history outside the slot table
+        # (prefill, every layer) and for admission (every waiting request): others skip both.
+        self.prefix_hook = type(runtime).overrides("prefix_kv")
+        self.store_admission = type(runtime).overrides("store_admits")
 
     # -- requests ----------------------------------------------------------------------------
     def request_started(self, rid: str, req_row: int, prompt_len: int, cached_len: int = 0,
@@ -90,7 +94,7 @@ class SparseController:
     def prefix_view(self, layer: LayerInput) -> PrefixKVView | None:
         """Prefill and mixed steps: the history of prefilling requests held outside the slot
         table (``runtime.prefix_kv``), when any request has one; None otherwise."""
-        if layer.step.mode is StepMode.DECODE:
+        if not self.prefix_hook or layer.step.mode is StepMode.DECODE:
             return None
         prefix = tuple(self.runtime.prefix_kv(r.rid, layer.layer_id) if r.is_prefill and r.rid in self.cache.requests
                        else None for r in layer.step.requests)

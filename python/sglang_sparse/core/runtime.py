@@ -54,10 +54,15 @@ class SparseMethodRuntime:
     supports_chains = True  # False: Chain Cache cannot carry this method's state yet
 
     @classmethod
+    def overrides(cls, hook: str) -> bool:
+        """Whether this method replaces the no-op default of ``hook`` (callers skip the rest)."""
+        return getattr(cls, hook) is not getattr(SparseMethodRuntime, hook)
+
+    @classmethod
     def has_layer_hooks(cls) -> bool:
         """Whether any per-layer hook is overridden. Without one (dense) the adapter may skip the
         per-layer calls (defaults are no-ops) and keep the engine's fast paths (CUDA graphs)."""
-        return cls.per_layer_rows or any(getattr(cls, h) is not getattr(SparseMethodRuntime, h) for h in LAYER_HOOKS)
+        return cls.per_layer_rows or any(cls.overrides(h) for h in LAYER_HOOKS)
 
     @classmethod
     def decode_needs_python(cls) -> bool:
@@ -66,7 +71,7 @@ class SparseMethodRuntime:
         ``graph_decode`` methods."""
         if cls.graph_decode:
             return False
-        return any(getattr(cls, h) is not getattr(SparseMethodRuntime, h) for h in DECODE_LAYER_HOOKS)
+        return any(cls.overrides(h) for h in DECODE_LAYER_HOOKS)
 
     @staticmethod
     def pool_split(config) -> float | None:

@@ -100,7 +100,6 @@ class KIVIRuntime(EvictingRuntime):
         self.table = torch.zeros(rows, -(-max_len // c.group), dtype=torch.int32, device=k0.device)
         self.n_blocks = torch.zeros(rows, dtype=torch.int32, device=k0.device)  # blocks per engine row
         # a request's blocks, in token order: metadata["kivi_blocks"] (travels with its chain)
-        self.parked: set[str] = set()  # requests whose blocks went to a chain
 
     # -- the store -------------------------------------------------------------------------------
     def payload_bytes_per_token(self) -> float:
@@ -135,14 +134,13 @@ class KIVIRuntime(EvictingRuntime):
         self.n_blocks[state.req_row] = len(blocks)  # the row may have served another request
 
     def on_request_parked(self, rid: str) -> None:
-        self.parked.add(rid)
+        # the chain's copy of the metadata holds the blocks now; the request keeps none to free
+        self.cache.requests[rid].metadata.pop("kivi_blocks", None)
 
     def on_request_end(self, rid: str) -> None:
         blocks = self._blocks_of(rid)
         self.n_blocks[self.cache.requests[rid].req_row] = 0
-        if rid in self.parked:  # the chain owns them now
-            self.parked.discard(rid)
-        elif blocks:
+        if blocks:
             self.blocks.free(blocks)
 
     def release_parked(self, metadata: dict) -> None:

@@ -320,10 +320,12 @@ def reclaim_for(scheduler, running_batch=None) -> None:
     need = prompt + 1 + STATE.scheduler.controller.oracle.decode_reserve(prompt, req.sampling_params.max_new_tokens or 0)
     # free slots plus unpinned radix-cached slots (SGLang evicts those itself when it allocates)
     free = STATE.scheduler.controller.cache.store.free_count() + int(scheduler.tree_cache.evictable_size())
-    running = store_claims(running_batch.reqs if running_batch is not None else [])
+    ctl = STATE.scheduler.controller
     if free < need or scheduler.req_to_token_pool.available_size() < 1:
         idx.reclaim(max(need - free, 1))
-    elif not STATE.scheduler.controller.runtime.store_admits(prompt, req.sampling_params.max_new_tokens or 0, running):
+    elif ctl.store_admission and not ctl.runtime.store_admits(
+            prompt, req.sampling_params.max_new_tokens or 0,
+            store_claims(running_batch.reqs if running_batch is not None else [])):
         idx.reclaim(1)  # a method store (KIVI's blocks) is short: idle chains hold some of it
     elif ((running_batch is None or running_batch.is_empty()) and getattr(scheduler, "chunked_req", None) is None
           and STATE.scheduler.refused_head == req.rid):

@@ -81,14 +81,15 @@ def _oracle_adder(base: type) -> type:
         _oracle_prompt_len: int | None = None
 
         def add_one_req(self, req, *args, **kwargs):
-            others = store_claims([*self.running_batch.reqs, *self.can_run_list], req)
+            ctl = STATE.scheduler.controller
             # a method store (KIVI's blocks) must hold the request too; alone (or finishing with
             # an error at once), it always runs
-            if others and req.to_finish is None and not STATE.scheduler.controller.runtime.store_admits(
+            others = store_claims([*self.running_batch.reqs, *self.can_run_list], req) if ctl.store_admission else []
+            if others and req.to_finish is None and not ctl.runtime.store_admits(
                     len(req.origin_input_ids), req.sampling_params.max_new_tokens or 0, others):
                 from sglang.srt.managers.schedule_policy import AddReqResult
 
-                STATE.scheduler.controller.runtime.bump("store_admission_waits")
+                ctl.runtime.bump("store_admission_waits")
                 return AddReqResult.NO_TOKEN
             # SGLang's ignore-eos path simulates finishing requests handing back their *logical*
             # length, which overstates what an evicting method frees; use the budget path.
