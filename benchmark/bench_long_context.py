@@ -192,7 +192,7 @@ def capacity_batch(name: str, args) -> int:
     return pool // (L + N)
 
 
-def run_variant(name: str, args, extra: list[str], batches: list[int], prompts, save) -> dict:
+def run_variant(name: str, args, extra: list[str], batches: list[int], prompts, save, splits=None) -> dict:
     """One server of ``name``: a discarded warm-up request, the KV representation, then every batch."""
     res: dict = {}
     try:
@@ -205,7 +205,7 @@ def run_variant(name: str, args, extra: list[str], batches: list[int], prompts, 
                 max_new = args.output_len if args.experiment == "capacity" else args.warmup + args.window + 2
                 res[str(b)] = decode_window(srv.base_url, prompts[:b], max_new, args.warmup, args.window,
                                             args.timeout)
-                print(name, b, " ".join(extra[-2:]) if extra else "", json.dumps(res[str(b)]), flush=True)
+                print(name, b, f"kv-splits={splits}" if splits else "", json.dumps(res[str(b)]), flush=True)
                 save()
     except Exception as err:  # keep what was measured; say what failed
         res["error"] = repr(err)
@@ -219,12 +219,12 @@ def pick_best(runs: dict) -> dict:
         v = r.get("decode_tok_s", float("nan")) if isinstance(r, dict) else float("nan")
         return v if v == v else -1.0  # NaN (window not completed) ranks last
 
-    out: dict = {"tuning": {"flag": "--triton-attention-num-kv-splits",
-                            "sweep": {str(s): {b: r.get("decode_tok_s") for b, r in res.items()
-                                               if isinstance(r, dict) and "decode_tok_s" in r} | (
-                                          {"error": res["error"]} if "error" in res else {})
-                                      for s, res in runs.items()},
-                            "best": {}}}
+    sweep = {}
+    for s, res in runs.items():  # tok/s per batch of each split count (and why a server failed)
+        sweep[str(s)] = {b: r["decode_tok_s"] for b, r in res.items() if isinstance(r, dict) and "decode_tok_s" in r}
+        if "error" in res:
+            sweep[str(s)]["error"] = res["error"]
+    out: dict = {"tuning": {"flag": "--triton-attention-num-kv-splits", "sweep": sweep, "best": {}}}
     batches = {b for res in runs.values() for b, r in res.items() if isinstance(r, dict) and "batch" in r}
     for b in sorted(batches, key=int):
         s_best = max(runs, key=lambda s: tok_s(runs[s].get(b, {})))
@@ -273,14 +273,11 @@ def main() -> None:
         prompts = make_prompts(max(batches), args.prompt_len)
         sweep = args.kv_splits if name in args.tune and args.kv_splits else [None]
         runs = {}
-        for splits in sweep:
+        for splits in sweep:  # results after every server: a run stopped early keeps them
             extra = args.extra + ([] if splits is None else ["--triton-attention-num-kv-splits", str(splits)])
-            runs[splits] = run_variant(name, args, extra, batches, prompts, save)
-            if splits is not None:
-                results[name] = pick_best(runs)
-                save()
-        results[name] = pick_best(runs) if sweep != [None] else runs[None]
-        save()
+            runs[splits] = run_variant(name, args, extra, batches, prompts, save, splits)
+            results[name] = runs[None] if splits is None else pick_best(runs)
+            save()
     print(f"\n{args.experiment}: prompt {args.prompt_len} tokens, pool {args.pool}, budget {args.budget}; "
           f"decode tok/s in a {args.window}-token window after {args.warmup} warm-up tokens")
     for name, res in results.items():

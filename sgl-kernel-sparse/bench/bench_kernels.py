@@ -189,7 +189,7 @@ def kivi_cases(dtype, quick, sweep, T, R, g):
     """KIVI decode (``triton_kivi``): 32K tokens of history in 2- and 4-bit blocks of G plus a
     full-precision residual window, as the server holds them mid-decode."""
     from sgl_kernel_sparse import quant as Q
-    from sgl_kernel_sparse.triton_kivi import kivi_decode_attention
+    from sgl_kernel_sparse.triton_kivi import kivi_decode_attention, plan_kivi_splits
 
     G, res, ctx = SIZES["kivi_group"], SIZES["kivi_res"], SIZES["ctx"]
     for bits in ((2,) if quick else (2, 4)):
@@ -209,8 +209,6 @@ def kivi_cases(dtype, quick, sweep, T, R, g):
             n_blocks = torch.full((b,), nb, dtype=torch.int32, device=DEVICE)
             res_len = torch.full((b,), res, dtype=torch.int32, device=DEVICE)
             q = torch.randn(b, HQ, D, generator=g, device=DEVICE).to(dtype)
-            from sgl_kernel_sparse.triton_kivi import plan_kivi_splits
-
             splits = plan_kivi_splits(b * HKV, nb, q.device)
             per_block = (kc[0].numel() + vc[0].numel() + (ks[0].numel() + km[0].numel() + vs[0].numel()
                          + vm[0].numel()) * ks.element_size())
