@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 
@@ -61,3 +63,31 @@ def assert_every_slot_owned_once(server) -> None:
     assert s["integrity"]["ok"], s["integrity"]
     radix = s["radix"]
     assert s["kv_free_slots"] + radix["evictable_slots"] + radix["protected_slots"] == s["kv_total_slots"]
+
+
+def run_together(server, calls) -> tuple[list, int]:
+    """Run the zero-argument ``calls`` at once, one thread each. Returns their results in order
+    and the most requests running together (polled from ``/sparse/stats``); a call's exception is
+    raised here (a thread's would otherwise vanish)."""
+    import requests
+
+    results, errors = [None] * len(calls), []
+
+    def run(i):
+        try:
+            results[i] = calls[i]()
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    peak = 0
+    while any(t.is_alive() for t in threads):
+        running = requests.get(server.base_url + "/sparse/stats", timeout=60).json()["running_requests"]
+        peak = max(peak, running)
+        time.sleep(0.2)
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return results, peak

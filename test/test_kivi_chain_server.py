@@ -8,13 +8,12 @@ precision."""
 from __future__ import annotations
 
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import requests
 
-from conftest import start_server
+from conftest import run_together, start_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
 from bench_niah import KEYS, NEEDLE, QUESTION, essays_tokens  # noqa: E402
@@ -106,16 +105,7 @@ def test_admission_waits_for_blocks_instead_of_overfilling_the_store(server):
     idle = stats(server)
     full0 = idle["counters"].get("kivi_store_full", 0)
     prompts = [[1000 + (13 * j + 101 * i) % 20000 for j in range(1100)] for i in range(4)]
-    outs = [None] * 4
-
-    def run(i):
-        outs[i] = gen(server, prompts[i], 16)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    outs, _ = run_together(server, [lambda p=p: gen(server, p, 16) for p in prompts])
     s = stats(server)
     assert all(o is not None and len(o["output_ids"]) == 16 for o in outs)
     assert s["counters"].get("kivi_store_full", 0) == full0

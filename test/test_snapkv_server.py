@@ -10,7 +10,7 @@ import time
 import pytest
 import requests
 
-from conftest import start_server
+from conftest import run_together, start_server
 
 BUDGET, WINDOW, POOL, CHUNK = 64, 8, 2048, 128
 ARGS = ["--max-total-tokens", str(POOL), "--chunked-prefill-size", str(CHUNK), "--log-level", "warning",
@@ -40,25 +40,7 @@ def generate(server, body) -> dict:
 
 def peak_running(server, bodies) -> int:
     """Send all requests at once; the most requests running together, polled from the stats."""
-    errors: list[BaseException] = []
-
-    def run(body):
-        try:
-            generate(server, body)
-        except BaseException as err:  # a thread's exception would otherwise vanish
-            errors.append(err)
-
-    threads = [threading.Thread(target=run, args=(b,)) for b in bodies]
-    for t in threads:
-        t.start()
-    peak = 0
-    while any(t.is_alive() for t in threads):
-        peak = max(peak, stats(server)["running_requests"])
-        time.sleep(0.2)
-    for t in threads:
-        t.join()
-    assert not errors, errors
-    return peak
+    return run_together(server, [lambda b=b: generate(server, b) for b in bodies])[1]
 
 
 def test_compaction_releases_exactly_the_evicted_slots(server):

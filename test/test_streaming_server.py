@@ -10,7 +10,7 @@ import time
 import pytest
 import requests
 
-from conftest import assert_every_slot_owned_once, start_server
+from conftest import assert_every_slot_owned_once, run_together, start_server
 
 POOL, SINKS, RECENT, EVERY = 160, 4, 32, 16
 ARGS = ["--max-total-tokens", str(POOL), "--context-length", "2048", "--chunked-prefill-size", "64",
@@ -81,20 +81,8 @@ def test_running_requests_reserve_only_up_to_their_row_cap(server):
     free0 = stats(server)["kv_free_slots"]
     body = {"text": "Tell me a story.", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True,
                                                              "temperature": 0}}
-    outs = []
-
-    def run():
-        outs.append(requests.post(server.base_url + "/generate", json=body, timeout=1800))
-
-    threads = [threading.Thread(target=run) for _ in range(3)]
-    for t in threads:
-        t.start()
-    peak = 0
-    while any(t.is_alive() for t in threads):
-        peak = max(peak, stats(server)["running_requests"])
-        time.sleep(0.2)
-    for t in threads:
-        t.join()
+    outs, peak = run_together(server, [lambda: requests.post(server.base_url + "/generate", json=body,
+                                                             timeout=1800)] * 3)
     assert all(r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 200 for r in outs)
     assert peak == 3, f"at most {peak} of 3 requests ran together"
     s = stats(server)
