@@ -110,5 +110,49 @@ def test_kivi_decodes_in_graphs_through_the_triton_kernel_and_frees_every_block(
     assert all(len(r["output_ids"]) == 100 for r in outs)
     written = after["counters"]["kivi_blocks_written"] - before["counters"].get("kivi_blocks_written", 0)
     assert written >= 4 * (3100 - 64 - 32) // 32
-    assert after["kv_free_slots"] == before["kv_free_slots"] and after["kv_bytes_used"] == before["kv_bytes_used"]
+    # what is still held: the radix cache's blocks (finished requests' history) and the idle
+    # chains' residual rows (each request parks its chain)
+    assert free_and_used(after) == free_and_used(before)
     assert after["kv_bytes_per_token"] * 5 < after["kv_bytes_per_slot"]
+
+
+def free_and_used(s) -> tuple[int, int]:
+    """(free slots, bytes used) with idle chains' rows and the radix cache's blocks counted free."""
+    rows, units = s["chain_idle_rows"], s["radix"]["evictable_units"] + s["radix"]["protected_units"]
+    return s["kv_free_slots"] + rows, s["kv_bytes_used"] - rows * s["kv_bytes_per_slot"] - units * s["radix"]["unit_bytes"]
+
+
+def kivi_reuse(srv, first, second):
+    """Two turns on one server: ``first`` finishes (its blocks go to the radix cache and its chain
+    parks), a continuation resumes the chain, then a new request sharing ``first``'s head starts
+    on the cached blocks. Returns the tokens of the three and the reuse figures."""
+    o1 = generate(srv, first, 16)
+    cid = o1["meta_info"]["chain_id"]
+    o2 = generate(srv, first + o1["output_ids"] + second, 32, cid)
+    o3 = generate(srv, first[:2000] + second, 32)
+    requests.delete(f"{srv.base_url}/chain/{cid}", timeout=60)
+    requests.delete(f"{srv.base_url}/chain/{o2['meta_info']['chain_id']}", timeout=60)
+    requests.delete(f"{srv.base_url}/chain/{o3['meta_info']['chain_id']}", timeout=60)
+    assert requests.post(srv.base_url + "/flush_cache", timeout=60).status_code == 200
+    return ([o["output_ids"] for o in (o1, o2, o3)],
+            (o2["meta_info"]["chain_status"], o2["meta_info"]["reused_tokens"], o3["meta_info"]["cached_tokens"]))
+
+
+def test_kivi_resumes_a_chain_and_reuses_cached_blocks_with_graphs_as_eager(model, request):
+    """KIVI's two reuse paths on the GPU (the prefill attends dequantized blocks through
+    ``prefix_kv``): a chain continuation and a radix-cache hit give the same tokens with decode
+    CUDA graphs as eager, and every slot and block comes back after the flush."""
+    flags = ["--sparse-method", "kivi", "--sparse-bits", "4", "--sparse-group", "32", "--sparse-residual", "64"]
+    first, second = prompts(3000, 2)[0], prompts(200, 2)[1]
+    runs = []
+    for extra in ([], ["--disable-cuda-graph"]):
+        srv = start_server(["--model-path", model, *COMMON, *flags, *extra], request)
+        before = stats(srv)
+        runs.append(kivi_reuse(srv, first, second))
+        after = stats(srv)
+        assert after["radix"]["evictable_units"] == 0 and free_and_used(after) == free_and_used(before)
+        assert after["integrity"]["ok"]
+        srv.stop()
+    (graph_tokens, figures), (eager_tokens, eager_figures) = runs
+    assert figures == eager_figures == ("resumed", 3015, 2000 // 32 * 32), figures
+    assert graph_tokens == eager_tokens

@@ -3,7 +3,9 @@ parked with its chain and a continuation resumes from it. The continuation does 
 the history, its prefill attends the dequantized blocks (a needle that lies only in the
 quantized part is still found), and every slot and block comes back when the chain goes.
 Admission counts blocks: requests whose blocks do not fit wait instead of falling back to full
-precision."""
+precision. The radix cache keeps finished requests' blocks: a later request with the same
+prefix prefills only the rest, attends the shared blocks, and the blocks go back to the store
+when the cache is flushed."""
 
 from __future__ import annotations
 
@@ -35,18 +37,26 @@ def stats(server) -> dict:
     return requests.get(server.base_url + "/sparse/stats", timeout=60).json()
 
 
+def tree_units(s) -> int:
+    return s["radix"]["evictable_units"] + s["radix"]["protected_units"]
+
+
 def held_elsewhere(s) -> tuple[int, int]:
-    """(free slots, bytes used) with idle chains' rows counted as free: SGLang's warm-up request
-    parks a chain of its own (no blocks: shorter than the residual), which a test may reclaim."""
+    """(free slots, bytes used) with idle chains' rows and the radix cache's blocks counted as
+    free: SGLang's warm-up request parks a chain of its own (no blocks: shorter than the
+    residual), which a test may reclaim; finished requests leave their blocks in the radix cache
+    (once no chain shares them, they are the tree's alone)."""
     rows = s["chain_idle_rows"]
-    return s["kv_free_slots"] + rows, s["kv_bytes_used"] - rows * s["kv_bytes_per_slot"]
+    return (s["kv_free_slots"] + rows,
+            s["kv_bytes_used"] - rows * s["kv_bytes_per_slot"] - tree_units(s) * s["radix"]["unit_bytes"])
 
 
-def gen(server, ids, n, chain_id=None):
+def gen(server, ids, n, chain_id=None, **fields):
     sp = {"temperature": 0, "max_new_tokens": n}
     if chain_id is not None:
         sp["custom_params"] = {"chain_id": chain_id}
-    resp = requests.post(server.base_url + "/generate", json={"input_ids": ids, "sampling_params": sp}, timeout=900)
+    body = {"input_ids": ids, "sampling_params": sp, **fields}
+    resp = requests.post(server.base_url + "/generate", json=body, timeout=900)
     assert resp.status_code == 200, resp.text
     return resp.json()
 
@@ -87,8 +97,10 @@ def test_a_continuation_resumes_the_quantized_history_and_finds_the_needle_in_it
     # the needle lies in the quantized blocks only (far behind the residual window): it is found
     # because the continuation's prefill attends the dequantized history
     assert any(k in out2["text"].lower() for k in KEYS), out2["text"]
-    # the same prompt without the chain (full-precision prefill, then quantized) finds it too
-    fresh = gen(server, prompt2, 32)
+    # the same prompt without the chain (full-precision prefill, then quantized) finds it too; its
+    # own extra_key keeps it off the radix cache's blocks of the two turns
+    fresh = gen(server, prompt2, 32, extra_key="fresh")
+    assert fresh["meta_info"]["cached_tokens"] == 0
     assert any(k in fresh["text"].lower() for k in KEYS), fresh["text"]
     assert stats(server)["counters"]["kivi_blocks_written"] - written1 - written2 >= (len(prompt2) - R - G) // G
     for c in (cid, fresh["meta_info"]["chain_id"]):
@@ -113,5 +125,39 @@ def test_admission_waits_for_blocks_instead_of_overfilling_the_store(server):
     for o in outs:  # chains not reclaimed on the way are still idle: delete them
         requests.delete(f"{server.base_url}/chain/{o['meta_info']['chain_id']}", timeout=60)
     done = stats(server)
+    assert held_elsewhere(done) == held_elsewhere(idle)
+    assert done["integrity"]["ok"]
+
+
+def test_a_later_request_reuses_cached_blocks_of_a_shared_prefix(server, tok):
+    """The needle essay, then a new request (no chain) with the same context and the question:
+    its prompt's whole blocks come from the radix cache (``cached_tokens``, block aligned), it
+    writes blocks only for its own part, it finds the needle that lies only in the shared blocks,
+    and a flush gives every block back."""
+    idle = stats(server)
+    first, _ = turns(tok)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    tail = enc("\n\nRead this text.<|im_end|>\n<|im_start|>assistant\n")
+    context = first[: len(first) - len(tail)]
+    out1 = gen(server, first, 4)
+    after1 = stats(server)
+    cached_blocks = tree_units(after1) - tree_units(idle)
+    assert cached_blocks >= (len(first) - R - G) // G  # the finished request's blocks are in the tree
+    assert after1["radix"]["unit_tokens"] == G and after1["radix"]["evictable_units"] >= cached_blocks
+    ask = enc(f"\n\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n")
+    out2 = gen(server, context + ask, 32)
+    m2 = out2["meta_info"]
+    assert m2["cached_tokens"] == len(context) // G * G, (m2["cached_tokens"], len(context))
+    written = stats(server)["counters"]["kivi_blocks_written"] - after1["counters"]["kivi_blocks_written"]
+    assert written * G <= len(ask) + 32 + (len(context) % G) + G, written  # only its own tokens
+    assert any(k in out2["text"].lower() for k in KEYS), out2["text"]
+    for o in (out1, out2):
+        assert requests.delete(f"{server.base_url}/chain/{o['meta_info']['chain_id']}", timeout=60).status_code == 200
+    # /prune refuses the quantized prefix with a sentence; a flush gives the tree's blocks back
+    r = requests.post(server.base_url + "/prune", json={"token_ids": context, "ranges": [[0, 64]], "keep_ratio": 0.5, "wait": True}, timeout=60)
+    assert r.status_code == 409 and "quantized blocks" in r.text, r.text
+    assert requests.post(server.base_url + "/flush_cache", timeout=60).status_code == 200
+    done = stats(server)
+    assert tree_units(done) == 0 and done["radix"]["nodes"] == 0
     assert held_elsewhere(done) == held_elsewhere(idle)
     assert done["integrity"]["ok"]

@@ -3,8 +3,9 @@ its prompt and while it decodes; counted in bytes (residual slots, codes, fp16 s
 it is stored in at most a fifth of the bytes of the model's bf16 KV (groups of 64, a residual
 of 32 to 95 tokens; with the default groups of 32 and residual 128 the ratio is 5.3 only far
 beyond the residual, see docs/kv_payload.md); decoding continues through
-the quantized history; every slot and block comes back once its chain is deleted (Chain Cache
-itself: ``test_kivi_chain_server.py``)."""
+the quantized history; every slot and block comes back once its chain is deleted and the radix
+cache (which keeps the finished request's blocks) is flushed (Chain Cache and the radix cache's
+reuse: ``test_kivi_chain_server.py``)."""
 
 from __future__ import annotations
 
@@ -68,20 +69,28 @@ def test_two_bit_history_takes_a_fifth_of_the_bf16_bytes(server):
     cid = out["resp"].json()["meta_info"]["chain_id"]
     assert requests.delete(f"{server.base_url}/chain/{cid}", timeout=60).status_code == 200
     done = stats(server)
-    assert done["kv_free_slots"] == idle["kv_free_slots"] and done["kv_bytes_used"] == idle["kv_bytes_used"]
+    cached = done["radix"]["evictable_units"]  # the finished request's blocks, kept for reuse
+    assert cached >= (PROMPT + NEW - R - G) // G and done["radix"]["protected_units"] == 0
+    assert done["kv_free_slots"] == idle["kv_free_slots"]
+    assert done["kv_bytes_used"] - cached * done["radix"]["unit_bytes"] == idle["kv_bytes_used"]
+    assert requests.post(server.base_url + "/flush_cache", timeout=60).status_code == 200
+    flushed = stats(server)
+    assert flushed["radix"]["evictable_units"] == 0 and flushed["kv_bytes_used"] <= idle["kv_bytes_used"]
 
 
-def test_chain_cache_is_on_by_default_for_kivi():
+def test_chain_and_radix_cache_are_on_by_default_for_kivi():
     from sglang_sparse.srt.launcher import sparse_config
 
     config, _ = sparse_config(["--device", "cpu", "--sparse-method", "kivi"], log=lambda m: None)
-    assert config["chain_cache"] is True
+    assert config["chain_cache"] is True and config["unit_cache"] is True
+    off, _ = sparse_config(["--device", "cpu", "--sparse-method", "kivi", "--disable-radix-cache"], log=lambda m: None)
+    assert off["unit_cache"] is False
 
 
 def test_prune_answers_409_with_a_sentence(server):
-    """KIVI's payload has no radix cache yet, so /prune cannot work: a 409 that says why."""
+    """The radix cache holds KIVI's quantized blocks, which have no rows to prune: a 409 that says why."""
     ids = list(range(1000, 1400))
     resp = requests.post(server.base_url + "/prune", timeout=60,
                          json={"token_ids": ids, "ranges": [[100, 300]], "keep_ratio": 0.5, "wait": True})
     assert resp.status_code == 409, resp.text
-    assert "radix cache is off (kivi evicts KV itself" in resp.text
+    assert "quantized blocks" in resp.text and "cannot prune" in resp.text

@@ -61,10 +61,12 @@ class CacheManager:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, rid: str, req_row: int, prompt_len: int, cached_len: int = 0,
-              cached_logical: int | None = None) -> RequestState:
+              cached_logical: int | None = None, metadata: dict[str, Any] | None = None) -> RequestState:
         """A request enters the engine; ``cached_len`` rows are already resident (prefix hit),
-        standing for ``cached_logical`` logical tokens (more than the rows on a pruned prefix)."""
-        state = RequestState(req_row, prompt_len, RetainedMap(self.store.num_layers, self.kv_heads))
+        standing for ``cached_logical`` logical tokens (more than the rows on a pruned prefix, or
+        on a prefix a method store holds: then ``metadata`` says where)."""
+        state = RequestState(req_row, prompt_len, RetainedMap(self.store.num_layers, self.kv_heads),
+                             dict(metadata or {}))
         state.retained.append(cached_len)
         state.retained.logical_len = cached_len if cached_logical is None else cached_logical
         self.requests[rid] = state

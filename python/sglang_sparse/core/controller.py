@@ -36,8 +36,10 @@ class SparseController:
 
     # -- requests ----------------------------------------------------------------------------
     def request_started(self, rid: str, req_row: int, prompt_len: int, cached_len: int = 0,
-                        cached_logical: int | None = None) -> None:
-        self.cache.start(rid, req_row, prompt_len, cached_len, cached_logical)
+                        cached_logical: int | None = None, metadata: dict | None = None) -> None:
+        """``metadata``: method state of a cached prefix the request starts on (the radix
+        cache's units, ``runtime.units_metadata``)."""
+        self.cache.start(rid, req_row, prompt_len, cached_len, cached_logical, metadata)
         self.runtime.on_request_start(rid)
 
     def request_resumed(self, rid: str, req_row: int, prompt_len: int, retained, metadata: dict) -> None:

@@ -15,6 +15,13 @@ positions; a request on that path holds the P slots in rows ``[0, P)`` and its o
 after them (positions stay logical, see ``srt/step_hooks.py``). Capacity accounting, lock
 references and eviction count retained slots, not key lengths.
 
+A method that stores KV outside the engine's pool (KIVI's quantized blocks) caches *units*
+instead: a unit node has no slots (``kept`` empty) and ``units[j]`` stands for logical offsets
+``[j * U, (j + 1) * U)`` of its key (U = the method's unit, the tree's page is a multiple of it, so
+splits never cut a unit). Units are counted apart from slots (``evictable_units`` /
+``protected_units``), evicted apart (``evict_units``; slot eviction skips unit nodes), and the tree
+holds one reference per unit it keeps (taken and dropped by the caller, ``srt/cache/radix.py``).
+
 Locks follow SGLang's convention: locking a node increments ``lock_ref`` on it and on every
 ancestor, so ``lock_ref > 0`` means "some request reads through here" and such a node is
 neither evicted nor pruned. Engine-agnostic (torch only); ``srt/radix.py`` adapts it to
@@ -55,6 +62,11 @@ class Node:
     hit_count: int = 0  # inserts that added to it or through it (SGLang's rule, for LFU/SLRU)
     records: list = field(default_factory=list)  # pruning records covering this node
     namespace: Any = None  # roots only: the extra_key they are stored under
+    units: torch.Tensor = field(default_factory=lambda: _EMPTY)  # method units, one per U logical tokens
+
+    @property
+    def n_units(self) -> int:
+        return int(self.units.numel())
 
     @property
     def retained(self) -> int:
@@ -97,11 +109,15 @@ class LogicalRadixTree:
     ``--radix-eviction-policy``). ``clock()``: increasing timestamps for recency."""
 
     def __init__(self, page_size: int = 1, evict_key: Callable[[Node], Any] | None = None,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, unit: int = 0) -> None:
+        assert not unit or page_size % unit == 0, "the page must hold whole units"
         self.page = page_size
+        self.unit = unit  # logical tokens per method unit (0: the tree caches slots only)
         self.roots: dict[Any, Node] = {}
         self.evictable = 0  # retained slots in unlocked nodes
         self.protected = 0  # retained slots in locked nodes
+        self.evictable_units = 0  # method units in unlocked nodes
+        self.protected_units = 0  # method units in locked nodes
         self.evict_key = evict_key or _priority_then_lru
         self._clock = clock or itertools.count(1).__next__
 
@@ -161,6 +177,9 @@ class LogicalRadixTree:
         upper = Node(key=child.key[:at], parent=child.parent, lock_ref=child.lock_ref,
                      last_use=child.last_use, priority=child.priority, hit_count=child.hit_count,
                      records=list(child.records))
+        if child.n_units:  # at is page aligned, so it falls between units
+            cut = at // self.unit
+            upper.units, child.units = child.units[:cut], child.units[cut:]
         if child.kept is None:
             upper.slots, child.slots = child.slots[:at], child.slots[at:]
         else:
@@ -253,12 +272,49 @@ class LogicalRadixTree:
         for n in self.path(m.node):
             n.priority = max(n.priority, priority)
 
+    def insert_units(self, tokens: Sequence[int], units: torch.Tensor, extra_key: Any = None,
+                     priority: int = 0) -> torch.Tensor:
+        """Cache a finished request's method units: ``units[j]`` holds logical
+        ``[j * U, (j + 1) * U)`` of ``tokens`` (``len(tokens) == len(units) * U``, cut to the
+        page). Positions the tree already has keep the tree's units (the request's copies stay
+        the request's); returns the units the tree took, for the caller to reference."""
+        L = self._aligned(min(len(tokens), units.numel() * self.unit))
+        node, pos, now = self.root(extra_key, create=False), 0, self._clock()
+        while pos < L:
+            child = node.children.get(self._first(tokens[pos:L]))
+            if child is None:
+                break
+            n = self._common(child.key, tokens[pos:L])
+            if n == 0:
+                break
+            if n < len(child.key):
+                child = self._split(child, n, now)
+            child.last_use, child.priority = now, max(child.priority, priority)
+            node, pos = child, pos + n
+        if pos >= L:
+            return _EMPTY
+        taken = units[pos // self.unit: L // self.unit].clone()
+        new = Node(key=tuple(tokens[pos:L]), kept=_EMPTY, parent=node, last_use=now, priority=priority,
+                   units=taken)
+        node.children[self._first(new.key)] = new
+        if node.parent is None:
+            self.roots.setdefault(extra_key, node)
+        self.evictable_units += new.n_units
+        return taken
+
+    def path_units(self, node: Node) -> torch.Tensor:
+        """The units from the root to ``node``, in logical order (a unit path has no gaps)."""
+        parts = [n.units for n in self.path(node)]
+        return torch.cat(parts) if parts else _EMPTY
+
     # ---- locks, eviction ---------------------------------------------------------------------
     def lock(self, node: Node) -> None:
         while node.parent is not None:
             if node.lock_ref == 0:
                 self.evictable -= node.retained
                 self.protected += node.retained
+                self.evictable_units -= node.n_units
+                self.protected_units += node.n_units
             node.lock_ref += 1
             node = node.parent
 
@@ -269,6 +325,8 @@ class LogicalRadixTree:
             if node.lock_ref == 0:
                 self.evictable += node.retained
                 self.protected -= node.retained
+                self.evictable_units += node.n_units
+                self.protected_units -= node.n_units
             node = node.parent
 
     def _remove_leaf(self, node: Node) -> torch.Tensor:
@@ -277,28 +335,50 @@ class LogicalRadixTree:
         if parent.parent is None and not parent.children and self.roots.get(parent.namespace) is parent:
             del self.roots[parent.namespace]
         self.evictable -= node.retained
+        self.evictable_units -= node.n_units
         freed, node.slots = node.slots, _EMPTY
         return freed
 
-    def evict(self, num_slots: int) -> torch.Tensor:
-        """Free at least ``num_slots`` retained slots from unlocked leaves in ``evict_key`` order
-        (or everything evictable); returns the freed slots in the order they were freed."""
-        heap = [(self.evict_key(n), id(n), n) for n in self.nodes() if not n.children and n.lock_ref == 0]
+    def _evict_leaves(self, wanted: int, units: bool) -> torch.Tensor:
+        """Remove unlocked leaves of one kind (slot nodes, or unit nodes) in ``evict_key`` order
+        until ``wanted`` slots (units) went; returns them in the order freed."""
+        def candidate(n: Node) -> bool:
+            return not n.children and n.lock_ref == 0 and bool(n.n_units) == units
+
+        heap = [(self.evict_key(n), id(n), n) for n in self.nodes() if candidate(n)]
         heapq.heapify(heap)
         freed, count = [], 0
-        while heap and count < num_slots:
+        while heap and count < wanted:
             _, _, n = heapq.heappop(heap)
             parent = n.parent
-            freed.append(self._remove_leaf(n))
+            out = n.units if units else None
+            slots = self._remove_leaf(n)
+            freed.append(out if units else slots)
             count += freed[-1].numel()
-            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None and candidate(parent):
                 heapq.heappush(heap, (self.evict_key(parent), id(parent), parent))
         return torch.cat(freed) if freed else _EMPTY
+
+    def evict(self, num_slots: int) -> torch.Tensor:
+        """Free at least ``num_slots`` retained slots from unlocked leaves in ``evict_key`` order
+        (or everything evictable); returns the freed slots in the order they were freed. Unit
+        nodes hold no slots and are left alone (``evict_units``)."""
+        return self._evict_leaves(num_slots, units=False)
+
+    def evict_units(self, num_units: int) -> torch.Tensor:
+        """Remove unlocked unit leaves in ``evict_key`` order until at least ``num_units`` units
+        went (or all evictable); returns the units for the caller to dereference."""
+        return self._evict_leaves(num_units, units=True)
+
+    def all_units(self) -> torch.Tensor:
+        parts = [n.units for n in self.nodes() if n.n_units]
+        return torch.cat(parts) if parts else _EMPTY
 
     def delete_subtree(self, node: Node) -> torch.Tensor:
         """Remove ``node`` and everything below it (all unlocked); returns the freed slots."""
         if node.parent is None or node.lock_ref > 0:
             raise PruneBlocked("the subtree is in use by a running request")
+        assert not any(n.n_units for n in self._walk(node)), "unit nodes are evicted with evict_units"
         freed = []
         for n in reversed(list(self._walk(node))):
             freed.append(self._remove_leaf(n))
@@ -367,10 +447,17 @@ class LogicalRadixTree:
 
     def check(self) -> torch.Tensor:
         """Verify the tree's invariants; return all slots it owns (each exactly once)."""
-        evictable = protected = 0
-        owned = []
+        evictable = protected = evictable_units = protected_units = 0
+        owned, units = [], []
         for n in self.nodes():
             assert len(n.key) > 0 and len(n.key) % self.page == 0, "key not page aligned"
+            if n.n_units:
+                assert n.n_units * self.unit == len(n.key) and n.retained == 0, "a unit node must be all units"
+                units.append(n.units)
+                if n.lock_ref:
+                    protected_units += n.n_units
+                else:
+                    evictable_units += n.n_units
             assert n.parent.children.get(self._first(n.key)) is n, "child indexed under a wrong key"
             if n.kept is None:
                 assert n.retained == len(n.key), "unpruned node without one slot per token"
@@ -388,6 +475,12 @@ class LogicalRadixTree:
         assert (evictable, protected) == (self.evictable, self.protected), (
             f"size accounting drifted: counted {evictable}/{protected}, "
             f"tracked {self.evictable}/{self.protected}")
+        assert (evictable_units, protected_units) == (self.evictable_units, self.protected_units), (
+            f"unit accounting drifted: counted {evictable_units}/{protected_units}, "
+            f"tracked {self.evictable_units}/{self.protected_units}")
+        if units:
+            u = torch.cat(units)
+            assert u.unique().numel() == u.numel(), "a unit is held by two tree nodes"
         slots = torch.cat(owned) if owned else _EMPTY
         assert slots.unique().numel() == slots.numel(), "a slot is owned by two tree nodes"
         return slots

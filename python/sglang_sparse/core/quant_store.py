@@ -44,6 +44,10 @@ class QuantizedBlockStore:
         self.v_scale = tensors(group, head_dim // group, dtype=SCALE_DTYPE)
         self.v_min = tensors(group, head_dim // group, dtype=SCALE_DTYPE)
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+        # holders per block: the request that wrote it, then every request, chain or radix node
+        # that shares it (``ref``); a block is free again when the last one lets go (``free``)
+        self._refs = [0] * num_blocks
+        self.reclaim = None  # set by the engine adapter: fn(n) frees cached blocks, True if any went
 
     @staticmethod
     def block_bytes(num_layers: int, kv_heads: int, head_dim: int, bits: int, group: int) -> int:
@@ -57,16 +61,41 @@ class QuantizedBlockStore:
     def free_count(self) -> int:
         return len(self._free)
 
-    def alloc(self, n: int) -> list[int] | None:
-        """n blocks, or None if fewer are free."""
-        if n > len(self._free):
-            return None
-        return [self._free.pop() for _ in range(n)]
+    def make_room(self, n: int) -> bool:
+        """Whether ``n`` blocks are free, after asking ``reclaim`` (the radix cache's unlocked
+        blocks) for the shortfall while it still frees some."""
+        while len(self._free) < n and self.reclaim is not None and self.reclaim(n - len(self._free)):
+            pass
+        return len(self._free) >= n
 
-    def free(self, blocks: list[int]) -> None:
-        if set(blocks) & set(self._free) or len(set(blocks)) != len(blocks):
+    def alloc(self, n: int) -> list[int] | None:
+        """n blocks (one holder each), or None if fewer are free even after ``make_room``."""
+        if not self.make_room(n):
+            return None
+        out = [self._free.pop() for _ in range(n)]
+        for b in out:
+            self._refs[b] = 1
+        return out
+
+    def ref(self, blocks) -> None:
+        """One more holder for each of ``blocks`` (all in use)."""
+        for b in blocks:
+            if self._refs[b] <= 0:
+                raise RuntimeError(f"KIVI block {b} is shared but not allocated")
+            self._refs[b] += 1
+
+    def free(self, blocks) -> None:
+        """One holder fewer for each of ``blocks``; a block nobody holds is free again."""
+        blocks = [int(b) for b in blocks]
+        if len(set(blocks)) != len(blocks) or any(self._refs[b] <= 0 for b in blocks):
             raise RuntimeError(f"double free of KIVI blocks {blocks}")
-        self._free.extend(blocks)
+        for b in blocks:
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.append(b)
+
+    def holders(self, block: int) -> int:
+        return self._refs[block]
 
     # -- writes --------------------------------------------------------------------------------
     def write(self, layer: int, blocks: list[int], k: torch.Tensor, v: torch.Tensor) -> None:

@@ -105,11 +105,13 @@ class SparseMethodRuntime:
         """Bytes per token of the method's own representation; None: the engine pool's."""
         return None
 
-    def store_admits(self, prompt_len: int, max_new_tokens: int, others: list[tuple[str, int, int]]) -> bool:
+    def store_admits(self, prompt_len: int, max_new_tokens: int, others: list[tuple[str, int, int]],
+                     cached: int = 0) -> bool:
         """Admission of a method with its own store (the engine's slots are checked by the
         engine): whether a request of ``prompt_len`` + ``max_new_tokens`` tokens fits the store
         next to ``others`` (``(rid, prompt_len, max_new_tokens)`` of the requests already running
-        or admitted this round), counting what each still needs over its life. True by default."""
+        or admitted this round), counting what each still needs over its life; ``cached`` units
+        of its prompt are shared from the radix cache. True by default."""
         return True
 
     def bump(self, counter: str, n: int = 1) -> None:
@@ -130,6 +132,32 @@ class SparseMethodRuntime:
     def release_parked(self, metadata: dict) -> None:
         """A parked chain is dropped (deleted, reclaimed, invalidated): free what ``metadata``
         owns in a method store."""
+
+    # -- a method store's payload in the radix cache (KIVI's blocks) ---------------------------
+    # ``prefix_unit`` > 0 (set per instance): the radix cache may keep the stored payload of
+    # finished requests in *units* of that many logical tokens (a unit: a block of the store) and
+    # start later requests on a cached prefix of them; 0: the tree never asks for units.
+    prefix_unit = 0
+
+    def cached_units(self, rid: str) -> list[int]:
+        """Units that hold logical ``[0, len * prefix_unit)`` of the request, in order (what the
+        radix cache may keep when it finishes)."""
+        return []
+
+    def hold_units(self, units: list[int]) -> None:
+        """One more holder (a radix node) for each unit."""
+
+    def drop_units(self, units: list[int]) -> None:
+        """One holder fewer for each unit; a unit nobody holds goes back to the store."""
+
+    def units_metadata(self, units: list[int]) -> dict:
+        """The metadata of a request that starts on the cached prefix ``units`` (logical
+        ``[0, len * prefix_unit)``): it becomes one more holder of each."""
+        return {}
+
+    def set_units_reclaim(self, reclaim) -> None:
+        """``reclaim(n)``: the radix cache drops up to ``n`` of its unlocked units and says
+        whether any went; the method calls it when its store runs short."""
 
     # -- step hooks --------------------------------------------------------------------------
     def prepare_step(self, step: StepInfo) -> None:

@@ -34,8 +34,16 @@ Chain Cache: a finished request parks its residual rows (as every evicting metho
 ``release_parked`` when the chain goes). A continuation gets both back, so the history is not
 re-quantized; its prefill chunk attends the history's dequantized blocks (``prefix_kv``, plain
 torch, once per layer and chunk), then the residual rows, then itself, and after its last chunk
-the groups past the residual window are quantized as usual. The radix cache and ``/prune`` are
-not supported with KIVI yet (the launcher turns the radix cache off; ``/prune`` answers 409).
+the groups past the residual window are quantized as usual.
+
+Radix cache: the tree keeps a finished request's *blocks* (``prefix_unit = group``: one tree unit
+per block, logical ``[j G, (j + 1) G)``), not its residual rows, which are freed as SGLang frees
+any row. A later request whose prompt starts with cached whole blocks holds them too (blocks are
+refcounted, ``QuantizedBlockStore.ref``), prefills only the rest, and attends the blocks through
+``prefix_kv`` as a resumed chain does. Its rows then start at a block boundary, so its own
+blocks follow the shared ones. When the store runs short (``plan``, ``store_admits``) the tree's
+unlocked blocks are evicted in SGLang's eviction order (``set_units_reclaim``). ``/prune``
+answers 409: a quantized prefix has no rows to prune.
 """
 
 from __future__ import annotations
@@ -99,7 +107,10 @@ class KIVIRuntime(EvictingRuntime):
         # block_table[engine row, j]: the j-th block of the request on that row (kernel input)
         self.table = torch.zeros(rows, -(-max_len // c.group), dtype=torch.int32, device=k0.device)
         self.n_blocks = torch.zeros(rows, dtype=torch.int32, device=k0.device)  # blocks per engine row
-        # a request's blocks, in token order: metadata["kivi_blocks"] (travels with its chain)
+        # a request's blocks, in token order: metadata["kivi_blocks"] (travels with its chain); a
+        # request holds one reference to each (``QuantizedBlockStore.ref``), so do chains and
+        # radix nodes sharing them
+        self.prefix_unit = c.group
 
     # -- the store -------------------------------------------------------------------------------
     def payload_bytes_per_token(self) -> float:
@@ -115,12 +126,31 @@ class KIVIRuntime(EvictingRuntime):
         tokens stay full precision)."""
         return max(0, tokens - self.config.residual) // self.config.group
 
-    def store_admits(self, prompt_len: int, max_new_tokens: int, others: list[tuple[str, int, int]]) -> bool:
+    def store_admits(self, prompt_len: int, max_new_tokens: int, others: list[tuple[str, int, int]],
+                     cached: int = 0) -> bool:
         ahead = 0
         for rid, p, n in others:  # blocks the others will still write
             held = len(self._blocks_of(rid)) if rid in self.cache.requests else 0
             ahead += max(0, self._blocks_for(p + n) - held)
-        return self._blocks_for(prompt_len + max_new_tokens) + ahead <= self.blocks.free_count()
+        # ``cached``: blocks of its prompt the radix cache holds already (it shares them)
+        return self.blocks.make_room(max(0, self._blocks_for(prompt_len + max_new_tokens) - cached) + ahead)
+
+    # -- the radix cache's units: blocks ----------------------------------------------------------
+    def cached_units(self, rid: str) -> list[int]:
+        return list(self._blocks_of(rid))
+
+    def hold_units(self, units: list[int]) -> None:
+        self.blocks.ref(units)
+
+    def drop_units(self, units: list[int]) -> None:
+        self.blocks.free(units)
+
+    def units_metadata(self, units: list[int]) -> dict:
+        self.blocks.ref(units)
+        return {"kivi_blocks": list(units)}
+
+    def set_units_reclaim(self, reclaim) -> None:
+        self.blocks.reclaim = reclaim
 
     # -- lifecycle -------------------------------------------------------------------------------
     def _blocks_of(self, rid: str) -> list[int]:

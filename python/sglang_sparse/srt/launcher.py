@@ -126,6 +126,7 @@ def sparse_config(argv: list[str], log=logger.info) -> tuple[dict, list[str]]:
     config, argv = parse_sparse_args(argv)
     runtime = get_method(config["method"]).runtime_cls
     config["chain_cache"], argv = _chain_cache(config["method"], runtime, argv, log)
+    radix_asked = "--disable-radix-cache" not in argv  # before an evicting method turns SGLang's off
     if runtime.evicts_kv:
         # Compaction happens between steps and rows stop matching logical tokens (see
         # srt/step_hooks.py): no overlap scheduler, no mixed chunks, no radix insertion.
@@ -155,6 +156,12 @@ def sparse_config(argv: list[str], log=logger.info) -> tuple[dict, list[str]]:
     argv = _page_size(config, runtime, argv, given, log)
     argv = _kv_cache_dtype(config, runtime, argv, given, log)
     argv = _radix_backend(config, argv, log)
+    # a method store's payload (KIVI's blocks) is cached by our tree in its own units, with
+    # SGLang's slot insertion off (cache/radix.py); --disable-radix-cache turns it off too
+    config["unit_cache"] = bool(runtime.overrides("cached_units") and radix_asked and _our_tree(argv))
+    if config["unit_cache"]:
+        log(f"sglang_sparse: the radix cache keeps {config['method']}'s stored payload for prefix reuse "
+            "(pass --disable-radix-cache to turn it off)")
     if _serves_on_gpu(given) and not given.disable_cuda_graph:
         if runtime.decode_needs_python():
             # Per-layer Python hooks between kernels: a captured graph would replay the first
@@ -224,6 +231,13 @@ def _radix_backend(config: dict, argv: list[str], log) -> list[str]:
         log(f"sglang_sparse: prefix cache keyed by logical tokens over retained KV; added "
             f"--radix-cache-backend {RADIX_BACKEND}")
     return argv
+
+
+def _our_tree(argv: list[str]) -> bool:
+    given = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    given.add_argument("--radix-cache-backend")
+    backend = given.parse_known_args(argv)[0].radix_cache_backend
+    return backend == RADIX_BACKEND and not any(f in argv for f in _OWN_TREE_FLAGS)
 
 
 def _kv_cache_dtype(config: dict, runtime, argv: list[str], given, log) -> list[str]:

@@ -37,6 +37,7 @@ class ReqSparse:
     offset: int | None = None
     probe: Job | None = None  # this request is the scoring probe of a pruning job
     probe_cap: int | None = None  # ... whose prefix match stops here (snapkv policy)
+    units: list | None = None  # cached method units its radix match starts on (KIVI's blocks)
 
 
 def sparse(req) -> ReqSparse:

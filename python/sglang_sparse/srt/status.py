@@ -110,8 +110,13 @@ def _radix_stats(cache) -> dict:
     tree = getattr(cache, "tree", None)
     if tree is None:
         return {"backend": type(cache).__name__}
-    return {"backend": "sglang_sparse", "enabled": cache.tree_on, "evictable_slots": tree.evictable,
-            "protected_slots": tree.protected, "nodes": sum(1 for _ in tree.nodes())}
+    out = {"backend": "sglang_sparse", "enabled": cache.tree_on or cache.units_on, "evictable_slots": tree.evictable,
+           "protected_slots": tree.protected, "nodes": sum(1 for _ in tree.nodes())}
+    if cache.units_on:  # a method store's payload (KIVI's blocks), one unit = ``unit_tokens`` tokens
+        per_token = STATE.scheduler.controller.runtime.payload_bytes_per_token() or 0
+        out.update(unit_tokens=cache.unit, unit_bytes=int(round(per_token * cache.unit)),
+                   evictable_units=tree.evictable_units, protected_units=tree.protected_units)
+    return out
 
 
 def _chain_stats(index) -> dict:

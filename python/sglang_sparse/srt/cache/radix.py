@@ -17,6 +17,13 @@ Rows vs logical positions of a request on a pruned path (P retained slots for N 
 moves the suffix slots from row N to row P and records the gap N - P as the request's RoPE
 offset (``req.sparse``). With nothing pruned P == N and all of this is SGLang's own path.
 
+A method with a store of its own (KIVI) keeps its payload in the tree instead of slots
+(``units_on``, the launcher's ``unit_cache``): SGLang's slot insertion stays off (the method
+evicts rows), ``match_prefix`` matches whole units (the tree's page is the unit) and starts the
+request on them with no rows (P = 0: ``sparse(req).units``, handed to the method when the
+request starts, ``engine/steps.py``), ``cache_units`` keeps a finishing request's units, and the
+method's store calls ``reclaim_units`` when it runs short. The tree holds one reference per unit.
+
 Chain Cache rides the same class: ``match_prefix`` first lends a resumed chain's rows,
 ``claim_kv_row`` parks a finishing chain's rows, ``session_records`` reports parked rows.
 """
@@ -24,6 +31,8 @@ Chain Cache rides the same class: ``match_prefix`` first lends a resumed chain's
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import (
@@ -38,10 +47,12 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from sglang_sparse.core.logical_tree import UNSUPPORTED_EVICTION_POLICIES, LogicalRadixTree, Node
+from sglang_sparse.srt import activation
 from sglang_sparse.srt.chains import scheduler as chains
 from sglang_sparse.srt.state import STATE, sparse
 
 BACKEND = "sglang_sparse"
+logger = logging.getLogger("sglang_sparse")
 
 
 def eviction_key(policy: str | None, config: dict | None):
@@ -60,19 +71,33 @@ class SparseRadixCache(UnifiedRadixCache):
     def __init__(self, params) -> None:
         self.tree_on = not params.disable
         self._evict_key = eviction_key(params.eviction_policy, params.eviction_policy_config)
-        self.tree = LogicalRadixTree(params.page_size, evict_key=self._evict_key)
+        ctl = STATE.scheduler.controller
+        self.unit = ctl.runtime.prefix_unit if ctl is not None and activation.load_config().get("unit_cache") else 0
+        self.units_on = bool(self.unit)
+        self.tree = self._new_tree(params.page_size)
+        if self.units_on:
+            ctl.runtime.set_units_reclaim(self.reclaim_units)
+            logger.info("sglang_sparse: the radix cache keeps %s's stored payload in units of %d tokens",
+                        ctl.runtime.name, self.unit)
         super().__init__(dataclasses.replace(params, disable=True))
         # SGLang reads ``disable`` to tell whether a prefix tree exists (admission of ignore_eos
         # requests, cache-aware policies); the shell's own tree paths it guards are overridden.
         self.disable = not self.tree_on
         self._device = params.token_to_kv_pool_allocator.device
 
+    def _new_tree(self, page_size: int) -> LogicalRadixTree:
+        page = math.lcm(page_size, self.unit) if self.unit else page_size  # a unit is never split
+        return LogicalRadixTree(page, evict_key=self._evict_key, unit=self.unit)
+
     # -- lifecycle -----------------------------------------------------------------------------
     def reset(self) -> None:
         """SGLang's cache flush (only when idle): it clears the allocator and req_to_token rows
-        next, so chains lose their payloads without freeing them."""
+        next, so chains lose their payloads without freeing them. Cached units go back to the
+        method's store."""
         super().reset()
-        self.tree = LogicalRadixTree(self.tree.page, evict_key=self._evict_key)
+        if self.units_on and self.tree.all_units().numel():
+            STATE.scheduler.controller.runtime.drop_units(self.tree.all_units().tolist())
+        self.tree = self._new_tree(self.tree.page)
         if STATE.scheduler.chains is not None:
             STATE.scheduler.chains.forget_all("the cache was flushed")
 
@@ -94,6 +119,8 @@ class SparseRadixCache(UnifiedRadixCache):
         result = self.session.try_match_prefix(params)
         if result is not None:
             return result
+        if self.units_on:
+            return self._match_units(params)
         if not self.tree_on:
             return self._match_tree(params)
         key = params.key
@@ -111,6 +138,40 @@ class SparseRadixCache(UnifiedRadixCache):
         return MatchResult(device_prefix_len=m.length, last_device_node=m.node, last_host_node=m.node,
                            best_match_node=m.node,
                            cache_protected_len=retained if retained < m.length else None)
+
+    def _match_units(self, params) -> MatchResult:
+        """The longest cached prefix of whole units: N logical tokens, no rows (P = 0)."""
+        req = params.req
+        st = sparse(req) if req is not None else None
+        if st is not None and st.offset is not None:  # a later chunk: its first extend fixed the start
+            return self._match_tree(params)
+        m = self.tree.match(params.key.raw_token_ids(), self._namespace(params.key))
+        if st is not None:
+            st.units = self.tree.path_units(m.node).tolist() if m.length else None
+            st.gap = st.start_offset = m.length  # its rows stand for N more tokens (engine/rows.py)
+        return MatchResult(device_prefix_len=m.length, last_device_node=m.node, last_host_node=m.node,
+                           best_match_node=m.node, cache_protected_len=0 if m.length else None)
+
+    def cache_units(self, req) -> None:
+        """A request leaves (``engine/steps.before_release``, while the method still knows it):
+        the tree keeps the units of its history that it does not have yet."""
+        runtime = STATE.scheduler.controller.runtime
+        units = runtime.cached_units(req.rid)
+        if not units:
+            return
+        tokens = (list(req.origin_input_ids) + list(req.output_ids))[: len(units) * self.unit]
+        taken = self.tree.insert_units(tokens, torch.tensor(units, dtype=torch.int64),
+                                       (req.extra_key, req.cache_salt), priority=req.priority or 0)
+        if taken.numel():
+            runtime.hold_units(taken.tolist())
+
+    def reclaim_units(self, n: int) -> bool:
+        """The method's store is short by ``n`` units: drop unlocked cached units (SGLang's
+        eviction order); True if any went."""
+        gone = self.tree.evict_units(n)
+        if gone.numel():
+            STATE.scheduler.controller.runtime.drop_units(gone.tolist())
+        return bool(gone.numel())
 
     def touch_prefix(self, key) -> None:
         if self.tree_on:

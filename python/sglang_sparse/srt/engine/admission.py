@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 
-from sglang_sparse.srt.state import STATE
+from sglang_sparse.srt.state import STATE, sparse
 
 def _evicting_controller():
     ctl = STATE.scheduler.controller
@@ -85,8 +85,9 @@ def _oracle_adder(base: type) -> type:
             # a method store (KIVI's blocks) must hold the request too; alone (or finishing with
             # an error at once), it always runs
             others = store_claims([*self.running_batch.reqs, *self.can_run_list], req) if ctl.store_admission else []
+            cached = len(sparse(req).units or ())  # blocks of its prompt the radix cache holds
             if others and req.to_finish is None and not ctl.runtime.store_admits(
-                    len(req.origin_input_ids), req.sampling_params.max_new_tokens or 0, others):
+                    len(req.origin_input_ids), req.sampling_params.max_new_tokens or 0, others, cached):
                 from sglang.srt.managers.schedule_policy import AddReqResult
 
                 ctl.runtime.bump("store_admission_waits")

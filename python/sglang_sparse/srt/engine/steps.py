@@ -21,7 +21,7 @@ from sglang_sparse.core.events import RequestSlice, StepInfo, StepMode
 from sglang_sparse.srt.chains import scheduler as chains
 from sglang_sparse.srt.engine import rows
 from sglang_sparse.srt.prune import scheduler as prune
-from sglang_sparse.srt.state import STATE
+from sglang_sparse.srt.state import STATE, sparse
 
 
 def step_from_batch(batch, ctl) -> StepInfo | None:
@@ -68,9 +68,16 @@ def around_forward(original, worker, batch=None, *args, **kwargs):
                 ctl.request_resumed(r.rid, r.req_row, r.prompt_len, *resumed)
             else:
                 # rows [0, row_start) are resident; on a pruned radix path they stand for
-                # logical_start > row_start tokens (engine/rows.py)
+                # logical_start > row_start tokens (engine/rows.py); on cached units (KIVI's
+                # blocks in the radix tree) the request holds no rows of its prefix
+                units, metadata = sparse(req).units, None
+                if units and r.logical_start:
+                    assert r.row_start == 0 and r.logical_start == len(units) * ctl.runtime.prefix_unit, (
+                        r.rid, r.row_start, r.logical_start, len(units))
+                    metadata = ctl.runtime.units_metadata(units)
+                sparse(req).units = None
                 ctl.request_started(r.rid, r.req_row, r.prompt_len, cached_len=r.row_start,
-                                    cached_logical=r.logical_start)
+                                    cached_logical=r.logical_start, metadata=metadata)
     ctl.begin_step(step)
     st.current_step = step
     try:
@@ -109,7 +116,10 @@ def before_new_prefill(scheduler, running_batch=None, *args, **kwargs):
     return None
 
 
-def before_release(req, *args, **kwargs):
+def before_release(req, tree_cache=None, *args, **kwargs):
+    if getattr(tree_cache, "units_on", False) and STATE.scheduler.controller is not None \
+            and req.rid in STATE.scheduler.controller.cache.requests:
+        tree_cache.cache_units(req)  # the radix cache keeps its units (KIVI's blocks) first
     chains.before_release(req)  # park the chain's state while the controller still has it
     prune.on_release(req)
     ctl = STATE.scheduler.controller

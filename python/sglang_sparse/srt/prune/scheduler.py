@@ -40,6 +40,10 @@ def _cache(scheduler):
     cache = scheduler.tree_cache
     if getattr(cache, "tree", None) is None:
         raise PruneError(409, "pruning needs sglang_sparse's radix cache (--radix-cache-backend sglang_sparse)")
+    if getattr(cache, "units_on", False):
+        raise PruneError(409, f"the radix cache holds {STATE.scheduler.controller.runtime.name}'s stored payload "
+                              "(quantized blocks), not KV slots: /prune drops slots of a model-precision prefix "
+                              "and cannot prune it")
     if not cache.tree_on:
         method = (STATE.scheduler.controller.runtime.name if STATE.scheduler.controller is not None else "this method")
         raise PruneError(409, f"the radix cache is off ({method} evicts KV itself, or --disable-radix-cache "
