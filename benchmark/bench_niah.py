@@ -38,6 +38,8 @@ CONFIGS = {
     "snapkv@1024": ["--sparse-method", "snapkv", "--sparse-budget", "1024", "--chain-cache", "off"],
     "quest@256": ["--sparse-method", "quest", "--sparse-token-budget", "256"],
     "quest@1024": ["--sparse-method", "quest", "--sparse-token-budget", "1024"],
+    "omnikv@256": ["--sparse-method", "omnikv", "--sparse-token-budget", "256"],
+    "omnikv@1024": ["--sparse-method", "omnikv", "--sparse-token-budget", "1024"],
     "pyramidkv@256": ["--sparse-method", "pyramidkv", "--sparse-budget", "256", "--chain-cache", "off"],
     "pyramidkv@1024": ["--sparse-method", "pyramidkv", "--sparse-budget", "1024", "--chain-cache", "off"],
     # sinks + recent = the budget
