@@ -1,13 +1,22 @@
 #!/usr/bin/env bash
 # The GPU machine's whole job in one go (run from the checkout root there, with .gpu/ and
 # .gpumodel/ carried; benchmark/gpu/prepare.sh makes them here). Each stage writes under $OUT:
-#   tests     GPU tests: servers (graphs == eager, Quest/SnapKV), kernels, graph replay   ~5 min
+# GPU tests, in stages that each fit one call (times measured on the H200, 2026-12-02):
+#   tests-kernels   every Triton kernel == its reference (quant, sparse, reference, Quest pages)  ~2 min
+#   tests-server    dense graphs == plain SGLang == eager, /prune with graphs == eager       ~5 min
+#   tests-quest     Quest pages through the kernel, Quest graphs == eager                    ~4 min
+#   tests-snapkv    SnapKV graphs == eager, SnapKV compaction on the GPU pool                ~4 min
+#                   (the two together took 453 s in one call, 2026-12-02)
+#   tests-payload   StreamingLLM and PyramidKV servers in graphs == eager                   ~6 min
+#   tests-kivi      KIVI servers: graphs == eager, chain resume, radix-cache hit            ~5.5 min
+# Benchmarks:
 #   kernels   sgl-kernel-sparse microbenchmarks (bandwidth against the HBM ceiling)      ~2 min
 #   capacity  8B shape, 32K in / 2K out: largest resident batch, dense vs SnapKV(2048)   ~7 min
 #   matched   8B shape, 32K: plain SGLang vs dense vs Quest(2048) at batch 1 2 4 8       ~8 min
 #   matched128k  the same at 128K, batch 1 2 4                                            ~9 min
-# One call holds at most 10 minutes, so give one or two stages per call:
-#   bash benchmark/gpu/run_all.sh tests kernels
+# One call holds at most 10 minutes: give stages whose times add up to well under that, e.g.
+#   bash benchmark/gpu/run_all.sh tests-kernels tests-kivi
+# Each stage prints its name, start time and, when it ends, how long it took.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . benchmark/gpu/env.sh
@@ -15,12 +24,27 @@ OUT=${OUT:-/tmp/sglang_sparse_out}
 mkdir -p "$OUT"
 M8=.gpumodel/qwen3-8b-shape
 LONG=(--model-path "$M8" --pool 196608)
+gpu_tests() {  # name, pytest arguments...
+  local name=$1; shift
+  python3 -m pytest -q -m gpu -rA "$@" 2>&1 | tail -40 | tee "$OUT/gpu_$name.txt"
+}
 for stage in "$@"; do
   echo "=== $stage $(date -u +%T)"
+  start=$SECONDS
   case $stage in
-    tests)
-      python3 -m pytest -q -m gpu test/test_gpu_server.py test/test_quest_pages.py \
-        test/test_sparse_kernels.py test/test_reference_kernels.py 2>&1 | tail -40 | tee "$OUT/gpu_tests.txt" ;;
+    tests-kernels)
+      gpu_tests "$stage" test/test_quant_kernels.py test/test_sparse_kernels.py test/test_reference_kernels.py \
+        test/test_quest_pages.py ;;
+    tests-server)
+      gpu_tests "$stage" test/test_gpu_server.py -k "dense_with or prune" ;;
+    tests-quest)
+      gpu_tests "$stage" test/test_gpu_server.py -k "quest" ;;
+    tests-snapkv)
+      gpu_tests "$stage" test/test_gpu_server.py -k "snapkv" ;;
+    tests-payload)
+      gpu_tests "$stage" test/test_gpu_payload.py -k "streamingllm or pyramidkv" ;;
+    tests-kivi)
+      gpu_tests "$stage" test/test_gpu_payload.py -k kivi ;;
     kernels)
       python3 sgl-kernel-sparse/bench/bench_kernels.py --out "$OUT/kernels.json" --no-ref 2>&1 | tee "$OUT/kernels.txt" ;;
     capacity)
@@ -37,6 +61,7 @@ for stage in "$@"; do
         -- --cuda-graph-bs-decode 1 2 4 2>&1 | tee "$OUT/matched128k.txt" ;;
     *) echo "unknown stage $stage" ;;
   esac
+  echo "=== $stage took $((SECONDS - start)) s"
   cp benchmark/results/long_*.json "$OUT/" 2>/dev/null || true
 done
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$OUT/gpu.txt" 2>&1 || true
