@@ -193,23 +193,36 @@ class LogicalRadixTree:
         return upper
 
     # ---- match / insert --------------------------------------------------------------------
+    def _descend(self, node: Node, tokens: Sequence[int], now: float):
+        """Walk the cached path of ``tokens`` below ``node``: yields ``(child, at, n)``, the next
+        node on it covering ``tokens[at: at + n]`` (split first when the path ends inside it).
+        Stops where the tree and ``tokens`` part; a caller may stop earlier (break)."""
+        pos = 0
+        while pos < len(tokens):
+            child = node.children.get(self._first(tokens[pos:]))
+            if child is None:
+                return
+            n = self._common(child.key, tokens[pos:])
+            if n == 0:
+                return
+            if n < len(child.key):
+                child = self._split(child, n, now)
+            yield child, pos, n
+            node, pos = child, pos + n
+
+    def _attach(self, parent: Node, new: Node, extra_key: Any) -> None:
+        parent.children[self._first(new.key)] = new
+        if parent.parent is None:  # the namespace's first entry: its root is stored from now on
+            self.roots.setdefault(extra_key, parent)
+
     def match(self, tokens: Sequence[int], extra_key: Any = None) -> Match:
         """Longest page-aligned logical prefix of ``tokens`` in the tree (splits the last node
         when the match ends inside it, so the returned node ends exactly at N)."""
         node, pos, now = self.root(extra_key, create=False), 0, self._clock()
-        tokens = tokens[: self._aligned(len(tokens))]
         node.last_use = now
-        while pos < len(tokens):
-            child = node.children.get(self._first(tokens[pos:]))
-            if child is None:
-                break
-            n = self._common(child.key, tokens[pos:])
-            if n == 0:
-                break
-            if n < len(child.key):
-                child = self._split(child, n, now)
+        for child, at, n in self._descend(node, tokens[: self._aligned(len(tokens))], now):
             child.last_use = now
-            node, pos = child, pos + n
+            node, pos = child, at + n
         slots, positions = self.path_slots(node)
         return Match(pos, node, slots, positions)
 
@@ -228,36 +241,26 @@ class LogicalRadixTree:
         assert 0 <= start <= L and slots.numel() >= L - start, (start, L, slots.numel())
         node, pos, now = self.root(extra_key, create=False), 0, self._clock()
         row, dups = [], []
-        while pos < L:
-            child = node.children.get(self._first(tokens[pos:L]))
-            if child is None:
-                break
-            n = self._common(child.key, tokens[pos:L])
-            if n == 0:
-                break
-            if n < len(child.key):
-                child = self._split(child, n, now)
-            if pos + n > start:
+        for child, at, n in self._descend(node, tokens[:L], now):
+            if at + n > start:
                 if child.pruned:
-                    if pos < start:  # the caller's own part begins inside this node
-                        child = self._split(child, start - pos, now)
+                    if at < start:  # the caller's own part begins inside this node
+                        child = self._split(child, start - at, now)
                         child.last_use, node, pos = now, child, start
                     break
-                lo = max(pos, start)
-                row.append(child.slots[lo - pos:])
-                dups.append(slots[lo - start: pos + n - start])
+                lo = max(at, start)
+                row.append(child.slots[lo - at:])
+                dups.append(slots[lo - start: at + n - start])
             child.last_use = now
             child.priority = max(child.priority, priority)
-            if pos + n > inserted_len:
+            if at + n > inserted_len:
                 child.hit_count += 1
-            node, pos = child, pos + n
+            node, pos = child, at + n
         assert pos >= start, f"prefix [0, {start}) is not in the tree (reached {pos})"
         if pos < L and not (node.children.get(self._first(tokens[pos:L])) is not None):
             new = Node(key=tuple(tokens[pos:L]), slots=slots[pos - start: L - start].clone(),
                        parent=node, last_use=now, priority=priority, hit_count=int(L > inserted_len))
-            node.children[self._first(new.key)] = new
-            if node.parent is None:  # the namespace's first entry: its root is stored from now on
-                self.roots.setdefault(extra_key, node)
+            self._attach(node, new, extra_key)
             self.evictable += new.retained
             row.append(new.slots)
             node, pos = new, L
@@ -280,25 +283,15 @@ class LogicalRadixTree:
         the request's); returns the units the tree took, for the caller to reference."""
         L = self._aligned(min(len(tokens), units.numel() * self.unit))
         node, pos, now = self.root(extra_key, create=False), 0, self._clock()
-        while pos < L:
-            child = node.children.get(self._first(tokens[pos:L]))
-            if child is None:
-                break
-            n = self._common(child.key, tokens[pos:L])
-            if n == 0:
-                break
-            if n < len(child.key):
-                child = self._split(child, n, now)
+        for child, at, n in self._descend(node, tokens[:L], now):
             child.last_use, child.priority = now, max(child.priority, priority)
-            node, pos = child, pos + n
+            node, pos = child, at + n
         if pos >= L:
             return _EMPTY
         taken = units[pos // self.unit: L // self.unit].clone()
         new = Node(key=tuple(tokens[pos:L]), kept=_EMPTY, parent=node, last_use=now, priority=priority,
                    units=taken)
-        node.children[self._first(new.key)] = new
-        if node.parent is None:
-            self.roots.setdefault(extra_key, node)
+        self._attach(node, new, extra_key)
         self.evictable_units += new.n_units
         return taken
 
