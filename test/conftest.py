@@ -65,6 +65,31 @@ def assert_every_slot_owned_once(server) -> None:
     assert s["kv_free_slots"] + radix["evictable_slots"] + radix["protected_slots"] == s["kv_total_slots"]
 
 
+def sparse_stats(server) -> dict:
+    import requests
+
+    return requests.get(server.base_url + "/sparse/stats", timeout=60).json()
+
+
+def greedy(server, ids, n) -> dict:
+    """``/generate`` of ``ids``, greedy, exactly ``n`` new tokens (ignore_eos); asserts a 200."""
+    import requests
+
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}}
+    resp = requests.post(server.base_url + "/generate", json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def free_and_used(s) -> tuple[int, int]:
+    """(free slots, bytes used) of a ``/sparse/stats`` answer with idle chains' rows and the radix
+    cache's method units (KIVI's blocks) counted as free: what a request leaves behind once its
+    chain and the tree's copy of its blocks are set aside (SGLang's warm-up request parks a chain
+    too, which a test may reclaim)."""
+    rows, units = s["chain_idle_rows"], s["radix"]["evictable_units"] + s["radix"]["protected_units"]
+    return s["kv_free_slots"] + rows, s["kv_bytes_used"] - rows * s["kv_bytes_per_slot"] - units * s["radix"]["unit_bytes"]
+
+
 def run_together(server, calls) -> tuple[list, int]:
     """Run the zero-argument ``calls`` at once, one thread each. Returns their results in order
     and the most requests running together (polled from ``/sparse/stats``); a call's exception is

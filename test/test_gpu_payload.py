@@ -17,7 +17,7 @@ import os
 import pytest
 import requests
 
-from conftest import start_server
+from conftest import free_and_used, start_server
 
 pytestmark = pytest.mark.gpu
 
@@ -114,12 +114,6 @@ def test_kivi_decodes_in_graphs_through_the_triton_kernel_and_frees_every_block(
     # chains' residual rows (each request parks its chain)
     assert free_and_used(after) == free_and_used(before)
     assert after["kv_bytes_per_token"] * 5 < after["kv_bytes_per_slot"]
-
-
-def free_and_used(s) -> tuple[int, int]:
-    """(free slots, bytes used) with idle chains' rows and the radix cache's blocks counted free."""
-    rows, units = s["chain_idle_rows"], s["radix"]["evictable_units"] + s["radix"]["protected_units"]
-    return s["kv_free_slots"] + rows, s["kv_bytes_used"] - rows * s["kv_bytes_per_slot"] - units * s["radix"]["unit_bytes"]
 
 
 def kivi_reuse(srv, first, second):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import run_together, start_server
+from conftest import free_and_used, run_together, start_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
 from bench_niah import KEYS, NEEDLE, QUESTION, essays_tokens  # noqa: E402
@@ -39,16 +39,6 @@ def stats(server) -> dict:
 
 def tree_units(s) -> int:
     return s["radix"]["evictable_units"] + s["radix"]["protected_units"]
-
-
-def held_elsewhere(s) -> tuple[int, int]:
-    """(free slots, bytes used) with idle chains' rows and the radix cache's blocks counted as
-    free: SGLang's warm-up request parks a chain of its own (no blocks: shorter than the
-    residual), which a test may reclaim; finished requests leave their blocks in the radix cache
-    (once no chain shares them, they are the tree's alone)."""
-    rows = s["chain_idle_rows"]
-    return (s["kv_free_slots"] + rows,
-            s["kv_bytes_used"] - rows * s["kv_bytes_per_slot"] - tree_units(s) * s["radix"]["unit_bytes"])
 
 
 def gen(server, ids, n, chain_id=None, **fields):
@@ -106,7 +96,7 @@ def test_a_continuation_resumes_the_quantized_history_and_finds_the_needle_in_it
     for c in (cid, fresh["meta_info"]["chain_id"]):
         assert requests.delete(f"{server.base_url}/chain/{c}", timeout=60).status_code == 200
     done = stats(server)
-    assert held_elsewhere(done) == held_elsewhere(idle)
+    assert free_and_used(done) == free_and_used(idle)
     assert done["integrity"]["ok"]
 
 
@@ -125,7 +115,7 @@ def test_admission_waits_for_blocks_instead_of_overfilling_the_store(server):
     for o in outs:  # chains not reclaimed on the way are still idle: delete them
         requests.delete(f"{server.base_url}/chain/{o['meta_info']['chain_id']}", timeout=60)
     done = stats(server)
-    assert held_elsewhere(done) == held_elsewhere(idle)
+    assert free_and_used(done) == free_and_used(idle)
     assert done["integrity"]["ok"]
 
 
@@ -159,5 +149,5 @@ def test_a_later_request_reuses_cached_blocks_of_a_shared_prefix(server, tok):
     assert requests.post(server.base_url + "/flush_cache", timeout=60).status_code == 200
     done = stats(server)
     assert tree_units(done) == 0 and done["radix"]["nodes"] == 0
-    assert held_elsewhere(done) == held_elsewhere(idle)
+    assert free_and_used(done) == free_and_used(idle)
     assert done["integrity"]["ok"]

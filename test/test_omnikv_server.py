@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from conftest import start_server
+from conftest import greedy, sparse_stats, start_server
 
 BUDGET, FILTERS, LAYERS = 64, (2, 8, 18), 30
 ARGS = ["--max-total-tokens", "8192", "--log-level", "warning", "--sparse-method", "omnikv",
@@ -23,25 +23,14 @@ def server(request, default_model_dir):
     return start_server(ARGS, request)
 
 
-def stats(server):
-    return requests.get(server.base_url + "/sparse/stats", timeout=60).json()
-
-
-def generate(server, ids, n):
-    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}}
-    resp = requests.post(server.base_url + "/generate", json=body, timeout=300)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
 def test_reads_the_selection_plus_generated_tokens_keeps_everything_and_does_not_leak(server):
     assert requests.post(server.base_url + "/flush_cache", timeout=60).status_code == 200
-    before = stats(server)
+    before = sparse_stats(server)
     assert before["method"] == "omnikv" and before["kv_free_slots"] == before["kv_total_slots"]
     prompt = [1000 + (7 * j) % 20000 for j in range(300)]
-    out = generate(server, prompt, 4)  # token 1 from prefill (dense), then 3 decode steps
+    out = greedy(server, prompt, 4)  # token 1 from prefill (dense), then 3 decode steps
     assert len(out["output_ids"]) == 4
-    c0, c1 = before["counters"], stats(server)["counters"]
+    c0, c1 = before["counters"], sparse_stats(server)["counters"]
     delta = lambda name: c1.get(name, 0) - c0.get(name, 0)  # noqa: E731
     assert delta("filter_selections") == 3 * len(FILTERS)
     # decode step t (1..3) over 300 + t rows: BUDGET prompt rows and t generated rows per layer
@@ -49,7 +38,7 @@ def test_reads_the_selection_plus_generated_tokens_keeps_everything_and_does_not
     assert delta("rows_resident") == SPARSE_LAYERS * sum(300 + t for t in (1, 2, 3))
     assert c1.get("slots_released", 0) == 0  # selection is logical: nothing is evicted
     assert requests.post(server.base_url + "/flush_cache", timeout=60).status_code == 200
-    flushed = stats(server)
+    flushed = sparse_stats(server)
     assert flushed["kv_free_slots"] == flushed["kv_total_slots"] and flushed["integrity"]["ok"]
 
 
@@ -65,10 +54,10 @@ def test_a_radix_cached_prefix_gives_the_cold_answer(server):
     assert requests.post(server.base_url + "/flush_cache", timeout=60).status_code == 200
     prefix = [2000 + (11 * j) % 9000 for j in range(400)]
     prompt = prefix + list(range(500, 540))
-    cold = generate(server, prompt, 8)
+    cold = greedy(server, prompt, 8)
     assert cold["meta_info"]["cached_tokens"] == 0
     requests.post(server.base_url + "/flush_cache", timeout=60)
-    generate(server, prefix + list(range(700, 720)), 1)  # puts the prefix in the radix tree
-    warm = generate(server, prompt, 8)
+    greedy(server, prefix + list(range(700, 720)), 1)  # puts the prefix in the radix tree
+    warm = greedy(server, prompt, 8)
     assert warm["meta_info"]["cached_tokens"] >= 400
     assert warm["output_ids"] == cold["output_ids"]
