@@ -65,6 +65,8 @@ def variant(name: str, budget: int) -> tuple[str, list[str]]:
         # same page size so all three share the allocator and kernels. SnapKV needs page size 1.
         "plain": ["--page-size", "16"], "dense": ["--page-size", "16"],
         "quest": ["--sparse-method", "quest", "--sparse-token-budget", str(budget)],
+        # filter layers 2, 8, 18 (the paper's choice for 32-layer models; the 8B shape has 36)
+        "omnikv": ["--sparse-method", "omnikv", "--sparse-token-budget", str(budget), "--page-size", "16"],
         # no Chain Cache: requests here are independent (a parked chain would hold pool rows)
         "snapkv": ["--sparse-method", "snapkv", "--sparse-budget", str(budget), "--chain-cache", "off"],
         "pyramidkv": ["--sparse-method", "pyramidkv", "--sparse-budget", str(budget), "--chain-cache", "off"],

@@ -81,24 +81,47 @@ def test_quest_reads_selected_pages_through_the_triton_kernel(model, request):
     assert end["kv_free_slots"] == end["kv_total_slots"] and end["counters"]["slots_released"] == 0
 
 
+OMNIKV = ["--sparse-method", "omnikv", "--sparse-token-budget", "128", "--sparse-filter-layers", "2,8,18"]
+GRAPH_METHODS = ("quest", "omnikv")  # selection captured into the decode graphs
+
+
 @pytest.mark.parametrize("flags", [
     ["--sparse-method", "quest", "--sparse-token-budget", "128"],
+    OMNIKV,
     ["--sparse-method", "snapkv", "--sparse-budget", "256"],
-], ids=["quest", "snapkv"])
+], ids=["quest", "omnikv", "snapkv"])
 def test_sparse_decode_with_cuda_graphs_gives_the_eager_tokens(model, request, flags):
-    """Quest's selection is captured into the decode graphs; SnapKV decodes its compacted rows
-    in SGLang's own graphs with logical RoPE positions. Same tokens as eager decoding."""
-    batch = prompts(1000, 4)
+    """Quest's and OmniKV's selections are captured into the decode graphs; SnapKV decodes its
+    compacted rows in SGLang's own graphs with logical RoPE positions. Same tokens as eager
+    decoding. The batch mixes prompts over and under OmniKV's budget."""
+    batch = prompts(1000, 3) + prompts(100, 1)
     graphs = start_server(["--model-path", model, *COMMON, *flags], request)
     before = stats(graphs)["counters"].get("decode_layer_python_calls", 0)
     got = [r["output_ids"] for r in generate(graphs, batch, n=24)]
-    if flags[1] == "quest":  # replayed graphs run no Python per layer
+    if flags[1] in GRAPH_METHODS:  # replayed graphs run no Python per layer
         assert stats(graphs)["counters"]["decode_layer_python_calls"] == before
     graphs.stop()
     eager = start_server(["--model-path", model, *COMMON, *flags, "--disable-cuda-graph"], request)
     assert [r["output_ids"] for r in generate(eager, batch, n=24)] == got
-    if flags[1] == "quest":
+    if flags[1] in GRAPH_METHODS:
         assert stats(eager)["counters"]["decode_layer_python_calls"] > 0
+
+
+@pytest.mark.parametrize("flags", [[], ["--sparse-method", "quest", "--sparse-token-budget", "128"], OMNIKV],
+                         ids=["dense", "quest", "omnikv"])
+def test_torch_compile_gives_the_eager_tokens(model, request, flags):
+    """``--enable-torch-compile`` (SGLang compiles the decode forward, then captures it into
+    graphs) with the sparse hooks inside: the same tokens as eager decoding, no leak."""
+    batch = prompts(1000, 3) + prompts(100, 1)
+    args = ["--model-path", model, *COMMON, *flags]
+    compiled = start_server(args + ["--enable-torch-compile", "--torch-compile-max-bs", "4"], request)
+    got = [r["output_ids"] for r in generate(compiled, batch, n=24)]
+    assert requests.post(compiled.base_url + "/flush_cache", timeout=60).status_code == 200
+    s = stats(compiled)
+    assert s["kv_free_slots"] == s["kv_total_slots"]
+    compiled.stop()
+    eager = start_server(args + ["--disable-cuda-graph"], request)
+    assert [r["output_ids"] for r in generate(eager, batch, n=24)] == got
 
 
 def test_snapkv_compacts_on_the_gpu_pool(model, request):

@@ -87,6 +87,26 @@ def paged_inputs(b, hq, hkv, d, page, n_sel, dtype, seed, seq_lens):
     return q, k, v, r2t, req_rows, page_ids, seq
 
 
+def rows_tail_inputs(b, hq, hkv, d, n_sel, ctx, dtype, seed, tails):
+    """OmniKV's view: ``sel_rows [B, n_sel]`` (chosen rows below ``tail_start``, ``-1`` padding)
+    and a tail ``[tail_start, seq_lens)`` per request, ``tails`` its lengths (0: none)."""
+    g = torch.Generator().manual_seed(seed)
+    n_req = b + 1
+    num_slots = n_req * ctx + 7
+    k, v = pool(num_slots, hkv, d, dtype, g)
+    r2t = req_table(n_req, ctx, num_slots, g)
+    req_rows = torch.randperm(n_req, generator=g)[:b]
+    q = torch.randn(b, hq, d, generator=g).to(dtype)
+    tail_start = torch.randint(n_sel // 2, ctx - max(tails) - 1, (b,), generator=g)
+    seq = tail_start + torch.tensor(tails)
+    sel = torch.full((b, n_sel), -1, dtype=torch.int32)
+    for i in range(b):
+        m = min(n_sel, int(tail_start[i]))
+        sel[i, :m] = torch.randperm(int(tail_start[i]), generator=g)[:m].to(torch.int32)
+    sel[0, n_sel // 3] = -1  # padding in the middle
+    return q, k, v, r2t, req_rows, sel, tail_start.to(torch.int32), seq.to(torch.int32)
+
+
 def close(got, want, dtype, what):
     tol = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 1e-2), torch.bfloat16: (1.6e-2, 2e-2)}
     atol, rtol = tol[dtype]
@@ -243,10 +263,11 @@ from interpreter_cases import Unsupported, report, results_of, run_cases  # noqa
 def case_interpreter_active(T):
     from triton.runtime.interpreter import InterpretedFunction
 
-    from sgl_kernel_sparse import triton_cells, triton_compact, triton_decode, triton_quest, triton_snapkv
+    from sgl_kernel_sparse import triton_cells, triton_compact, triton_decode, triton_omnikv, triton_quest, triton_snapkv
 
     kernels = [triton_decode._decode_partial_kernel, triton_decode._decode_reduce_kernel,
-               triton_cells._cells_partial_kernel,
+               triton_cells._cells_partial_kernel, triton_omnikv._rows_tail_partial_kernel,
+               triton_omnikv._token_logits_kernel,
                triton_quest._quest_scores_kernel,
                triton_snapkv._snapkv_lse_kernel, triton_snapkv._snapkv_score_kernel,
                triton_compact._copy_rows_kernel]
@@ -310,6 +331,46 @@ def case_paged_bf16_page3(T):
 
 def case_paged_fp16_page16(T):
     _paged_case(T, torch.float16, 16, 22)
+
+
+def case_rows_tail_by_definition(T):
+    """The reference reads exactly the chosen rows and the tail (dense masked attention)."""
+    q, k, v, r2t, req_rows, sel, t0, seq = rows_tail_inputs(2, 4, 2, 16, 6, 40, torch.float32, 70, (3, 0))
+    out = R.rows_tail_decode_attention(q, k, v, r2t, req_rows, sel, t0, seq)
+    for b in range(2):
+        pos = [x for x in sel[b].tolist() if x >= 0] + list(range(int(t0[b]), int(seq[b])))
+        slots = r2t[req_rows[b], pos].long()
+        for h in range(4):
+            want = _softmax_attention(q[b, h], k[slots, h // 2], v[slots, h // 2], 16 ** -0.5)
+            torch.testing.assert_close(out[b, h], want, atol=1e-5, rtol=1e-5)
+
+
+def _rows_tail_case(T, dtype, hq, hkv, d, tails, seed):
+    q, k, v, r2t, req_rows, sel, t0, seq = rows_tail_inputs(len(tails), hq, hkv, d, 20, 90, dtype, seed, tails)
+    want = R.rows_tail_decode_attention(q, k, v, r2t, req_rows, sel, t0, seq)
+    for splits in (1, 3):  # 3: shares per request, split-K partials + the reduce kernel
+        got = T.rows_tail_decode_attention(q, k, v, r2t, req_rows, sel, t0, seq, num_splits=splits, block_n=8)
+        close(got, want, dtype, f"splits={splits}")
+    close(T.rows_tail_decode_attention(q, k, v, r2t, req_rows, sel, t0, seq), want, dtype, "default splits")
+
+
+def case_rows_tail_fp32_gqa2(T):
+    _rows_tail_case(T, torch.float32, 4, 2, 32, (5, 0, 37), 71)
+
+
+def case_rows_tail_bf16_mha_d48(T):
+    _rows_tail_case(T, torch.bfloat16, 2, 2, 48, (1, 12), 72)
+
+
+def case_token_logits(T):
+    for dtype, hq, hkv, d in ((torch.float32, 4, 2, 32), (torch.float16, 6, 3, 48)):
+        q, k, _, r2t, req_rows, _, _, seq = rows_tail_inputs(3, hq, hkv, d, 4, 70, dtype, 73, (2, 0, 9))
+        seq[1] = 70  # the whole table row
+        want = R.token_logits(q, k, r2t, req_rows, seq, scale=0.3)
+        for bl in (16, 64):
+            got = T.token_logits(q, k, r2t, req_rows, seq, scale=0.3, block_l=bl)
+            assert torch.equal(torch.isinf(got), torch.isinf(want)), "-inf exactly past each request"
+            torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
 
 
 def case_quest_scores(T):
@@ -572,7 +633,8 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
         pytest.skip(res.stderr.strip())
     assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
     kernels = {r["kernel"] for r in json.loads(report.read_text())}
-    assert kernels == {"_decode_partial_kernel", "_decode_reduce_kernel",
+    assert kernels == {"_decode_partial_kernel", "_decode_reduce_kernel", "_rows_tail_partial_kernel",
+                       "_token_logits_kernel",
                        "_quest_scores_kernel", "_snapkv_lse_kernel", "_snapkv_score_kernel",
                        "_copy_rows_kernel"}
 
@@ -625,6 +687,23 @@ def test_gpu_paged_decode(dtype, page):
         got = T.paged_sparse_decode_attention(q, k, v, r2t, req_rows, page_ids, seq, page,
                                               num_splits=splits)
         close(got, want, dtype, f"splits={splits}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_omnikv_kernels(dtype):
+    """OmniKV at a real shape: 2,048 chosen rows plus tails of 0-900 rows; logits over a
+    33K-wide slot table."""
+    from sgl_kernel_sparse import triton_ops as T
+
+    cpu = rows_tail_inputs(4, 32, 8, 128, 2048, 33000, dtype, 500, (900, 0, 1, 300))
+    q, k, v, r2t, req_rows, sel, t0, seq = (t.cuda() for t in cpu)
+    want = R.rows_tail_decode_attention(q, k, v, r2t, req_rows, sel, t0, seq)
+    for splits in (None, 1, 9):
+        got = T.rows_tail_decode_attention(q, k, v, r2t, req_rows, sel, t0, seq, num_splits=splits)
+        close(got, want, dtype, f"splits={splits}")
+    got = T.token_logits(q, k, r2t, req_rows, seq)
+    torch.testing.assert_close(got, R.token_logits(q, k, r2t, req_rows, seq), atol=2e-3, rtol=1e-3)
 
 
 @pytest.mark.gpu

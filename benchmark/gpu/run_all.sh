@@ -9,6 +9,8 @@
 #                   (the two together took 453 s in one call, 2026-12-02)
 #   tests-payload   StreamingLLM and PyramidKV servers in graphs == eager                   ~6 min
 #   tests-kivi      KIVI servers: graphs == eager, chain resume, radix-cache hit            ~5.5 min
+#   tests-omnikv    OmniKV kernels == references; OmniKV graphs == eager; dense, Quest and
+#                   OmniKV with --enable-torch-compile == eager
 # Benchmarks:
 #   kernels   sgl-kernel-sparse microbenchmarks (bandwidth against the HBM ceiling)      ~2 min
 #   capacity  8B shape, 32K in / 2K out: largest resident batch, dense vs SnapKV(2048)   ~7 min
@@ -45,6 +47,9 @@ for stage in "$@"; do
       gpu_tests "$stage" test/test_gpu_payload.py -k "streamingllm or pyramidkv" ;;
     tests-kivi)
       gpu_tests "$stage" test/test_gpu_payload.py -k kivi ;;
+    tests-omnikv)
+      gpu_tests "$stage-kernels" test/test_sparse_kernels.py -k omnikv
+      gpu_tests "$stage" test/test_gpu_server.py -k "omnikv or torch_compile" ;;
     kernels)
       python3 sgl-kernel-sparse/bench/bench_kernels.py --out "$OUT/kernels.json" --no-ref 2>&1 | tee "$OUT/kernels.txt" ;;
     capacity)

@@ -29,7 +29,9 @@ SIZES = dict(ctx=32768, n_sel=2048, batches=(1, 8, 32), quick_batches=(8,), page
              snap_lens=(8192, 32768), snap_w=32, keep=4096, decode_b=32, decode_ctx=4096,
              # the 32K capacity runs' shapes (benchmark/bench_long_context.py): KIVI 2-bit at its
              # largest resident batch, PyramidKV's per-layer cells at budget 2048
-             kivi_batches=(1, 22), kivi_group=32, kivi_res=144, cells_batches=(1, 40), cells_rows=2048)
+             kivi_batches=(1, 22), kivi_group=32, kivi_res=144, cells_batches=(1, 40), cells_rows=2048,
+             # OmniKV at the 128K matched runs: 2,048 chosen rows + 64 generated, logits over the table
+             omni_ctx=131072 + 2048, omni_batches=(1, 4), omni_sel=2048, omni_tail=64)
 
 
 def parse_args():
@@ -44,7 +46,7 @@ def parse_args():
     ap.add_argument("--no-ref", action="store_true", help="do not time the torch references")
     ap.add_argument("--no-flush", action="store_true", help="keep L2 warm between calls")
     ap.add_argument("--only", nargs="*", default=None,
-                    help="case groups to run (decode quest snapkv compact kivi cells; default all)")
+                    help="case groups to run (decode quest snapkv compact kivi cells omnikv; default all)")
     return ap.parse_args()
 
 
@@ -258,6 +260,30 @@ def cells_cases(dtype, quick, T, R, g):
                    ref=lambda args=args: R.cells_decode_attention(*args))
 
 
+def omnikv_cases(dtype, quick, T, R, g):
+    """OmniKV's two decode kernels (``triton_omnikv``). Bytes count what HBM must deliver: each
+    KV row once per KV head (the query heads of a group share a request's chosen rows, so a
+    per-query-head count would overstate the traffic 4x), the slot-table entries, the outputs."""
+    ctx, n_sel, tail = SIZES["omni_ctx"], SIZES["omni_sel"], SIZES["omni_tail"]
+    for b in SIZES["omni_batches"][-1:] if quick else SIZES["omni_batches"]:
+        k, v = kv_pool(b * ctx, dtype, g)
+        r2t = req_table(b, ctx, b * ctx, g)
+        req = torch.arange(b, device=DEVICE, dtype=torch.int32)
+        q = torch.randn(b, HQ, D, generator=g, device=DEVICE).to(dtype)
+        seq = torch.full((b,), ctx - 2048, dtype=torch.int32, device=DEVICE)  # 128K resident rows
+        t0 = seq - tail
+        sel = torch.rand(b, int(t0[0]), generator=g, device=DEVICE).argsort(-1)[:, :n_sel].sort(-1).values.int()
+        n = n_sel + tail
+        moved = 2 * nbytes(q) + b * n * 4 * 2 + 2 * b * HKV * n * D * k.element_size()
+        yield dict(kernel="rows_tail_decode_attention", shape=f"B={b} rows={n_sel}+{tail}", config="auto",
+                   bytes=moved, run=lambda a=(q, k, v, r2t, req, sel, t0, seq): T.rows_tail_decode_attention(*a),
+                   ref=lambda a=(q, k, v, r2t, req, sel, t0, seq): R.rows_tail_decode_attention(*a))
+        moved = nbytes(q) + b * int(seq[0]) * (4 + HKV * D * k.element_size()) + b * HQ * ctx * 4
+        yield dict(kernel="token_logits", shape=f"B={b} rows={int(seq[0])} width={ctx}", config="auto",
+                   bytes=moved, run=lambda a=(q, k, r2t, req, seq): T.token_logits(*a),
+                   ref=None)
+
+
 def main() -> int:
     args = parse_args()
     if not torch.cuda.is_available():
@@ -278,7 +304,8 @@ def main() -> int:
               "snapkv": lambda: snapkv_cases(dtype, args.quick, T, R, g),
               "compact": lambda: compact_cases(dtype, args.quick, T, R, g),
               "kivi": lambda: kivi_cases(dtype, args.quick, args.sweep, T, R, g),
-              "cells": lambda: cells_cases(dtype, args.quick, T, R, g)}
+              "cells": lambda: cells_cases(dtype, args.quick, T, R, g),
+              "omnikv": lambda: omnikv_cases(dtype, args.quick, T, R, g)}
     unknown = set(args.only or ()) - set(groups)
     if unknown:
         print(f"--only: unknown group(s) {sorted(unknown)}; allowed: {sorted(groups)}", file=sys.stderr)

@@ -125,6 +125,10 @@ def _exercise(dtypes) -> None:
         T.compact_kv(kc, kc, torch.zeros(hkv, 100, dtype=torch.int64), torch.arange(100))
         kmin = torch.zeros(b, 64, hkv, d, dtype=dt)
         T.quest_page_scores(q, kmin, kmin, req + 10)
+        sel = torch.zeros(b, 512, dtype=torch.int32)
+        for splits in (1, 4):
+            T.rows_tail_decode_attention(q, kc, kc, r2t, req, sel, req + 600, req + 700, num_splits=splits)
+        T.token_logits(q, kc, r2t, req, req + 500)
     if torch.float16 in dtypes:  # fp32 summaries, fp16 queries
         kmin = torch.zeros(b, 64, hkv, d, dtype=torch.float32)
         T.quest_page_scores(torch.zeros(b, hq, d, dtype=torch.float16), kmin, kmin, req + 10)

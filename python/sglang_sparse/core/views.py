@@ -42,6 +42,17 @@ class PagedDecodeView:
 
 
 @dataclass(frozen=True)
+class RowsTailDecodeView:
+    """Chosen rows plus a contiguous tail, as batched tensors (graph-safe; OmniKV): request b
+    reads rows ``sel_rows[b]`` (``[B, N]``, ``-1`` = padding, all ``< tail_start[b]``, the same
+    for every query head) and then every row of ``[tail_start[b], n_rows[b])``."""
+
+    sel_rows: torch.Tensor
+    tail_start: torch.Tensor
+    n_rows: torch.Tensor
+
+
+@dataclass(frozen=True)
 class PrefillView:
     """Prefill reads every resident row causally unless a method narrows it (sparse prefill).
     ``row_limit[i]``: request i's chunk attends rows ``[0, row_limit[i])`` of earlier context

@@ -7,4 +7,4 @@ elsewhere. Here: decode attention over a batch's views (``decode``) and Quest's 
 summaries (``quest_pages``), plus the kernel package's functions the methods use.
 """
 
-from sgl_kernel_sparse import compact_kv, snapkv_keep_indices  # noqa: F401
+from sgl_kernel_sparse import compact_kv, snapkv_keep_indices, stable_topk, token_logits  # noqa: F401

@@ -3,7 +3,8 @@ its plain-torch reference elsewhere: the CPU path).
 
 - ``decode_over_views``: per-request ``DecodeView`` rows (eager Python hooks);
 - ``decode_over_pages``: a batched ``PagedDecodeView`` (graph-safe hooks);
-- ``decode_over_cells``: a ``CellsDecodeView``, per-layer row tables (graph-safe hooks).
+- ``decode_over_cells``: a ``CellsDecodeView``, per-layer row tables (graph-safe hooks);
+- ``decode_over_rows_tail``: a ``RowsTailDecodeView``, chosen rows + a contiguous tail (graph-safe).
 
 Index ranges: ``rows[i]`` ``[Hq, n_i]`` are row indices of request i's ``req_to_token`` row (for
 methods that do not evict, row == logical position); ``valid[i]`` masks padding. Slots are looked
@@ -54,3 +55,10 @@ def decode_over_cells(q, flat_k, flat_v, table, req_rows, n_rows, tables, layer:
     return sgl_kernel_sparse.cells_decode_attention(
         q, flat_k, flat_v, table, req_rows.long(), n_rows, tables.entries, tables.offset, tables.count,
         tables.packed_rows, layer, tables.slots_per_layer, scale)
+
+
+def decode_over_rows_tail(q, k_cache, v_cache, table, req_rows, sel_rows, tail_start, n_rows, scale: float):
+    """q ``[B, Hq, D]``; request b reads rows ``sel_rows[b]`` (``-1`` padding) and ``[tail_start[b],
+    n_rows[b])`` of its slot-table row. No host sync on CUDA."""
+    return sgl_kernel_sparse.rows_tail_decode_attention(
+        q, k_cache, v_cache, table, req_rows.long(), sel_rows, tail_start, n_rows, scale)

@@ -14,11 +14,13 @@ from .dispatch import (
     quest_page_scores,
     quest_page_scores_paged,
     quest_select_pages,
+    rows_tail_decode_attention,
     snapkv_keep_indices,
     snapkv_select,
     snapkv_window_scores,
     sparse_decode_attention,
     stable_topk,
+    token_logits,
     use_triton,
 )
 
@@ -32,11 +34,13 @@ __all__ = [
     "quest_page_scores",
     "quest_page_scores_paged",
     "quest_select_pages",
+    "rows_tail_decode_attention",
     "snapkv_keep_indices",
     "reference",
     "snapkv_select",
     "snapkv_window_scores",
     "sparse_decode_attention",
     "stable_topk",
+    "token_logits",
     "use_triton",
 ]

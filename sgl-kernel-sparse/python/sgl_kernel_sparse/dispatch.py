@@ -39,6 +39,8 @@ _REF_KWARGS = {
     "sparse_decode_attention": ("scale",),
     "paged_sparse_decode_attention": ("scale",),
     "cells_decode_attention": ("scale",),
+    "rows_tail_decode_attention": ("scale",),
+    "token_logits": ("scale",),
     "quest_page_scores": ("summary_rows",),
     "quest_page_scores_paged": (),
     "snapkv_window_scores": ("scale", "slots"),
@@ -57,6 +59,18 @@ def paged_sparse_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, p
                                   seq_lens, page, scale=None, **triton_kwargs):
     return _pick("paged_sparse_decode_attention",
                  (q, k_cache, v_cache, req_to_token, req_rows, page_ids, seq_lens, page),
+                 dict(scale=scale, **triton_kwargs))
+
+
+def rows_tail_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, sel_rows, tail_start, seq_lens,
+                               scale=None, **triton_kwargs):
+    return _pick("rows_tail_decode_attention",
+                 (q, k_cache, v_cache, req_to_token, req_rows, sel_rows, tail_start, seq_lens),
+                 dict(scale=scale, **triton_kwargs))
+
+
+def token_logits(q, k_cache, req_to_token, req_rows, seq_lens, scale=None, **triton_kwargs):
+    return _pick("token_logits", (q, k_cache, req_to_token, req_rows, seq_lens),
                  dict(scale=scale, **triton_kwargs))
 
 

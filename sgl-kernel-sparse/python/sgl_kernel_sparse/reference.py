@@ -74,6 +74,44 @@ def sparse_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, rows, v
     return torch.einsum("bhn,bhnd->bhd", probs, v).to(q.dtype)
 
 
+def rows_tail_to_rows(sel_rows, tail_start, seq_lens, hq):
+    """OmniKV's decode view as per-head rows: request b reads the positions ``sel_rows[b]``
+    (``[B, N]``, ``-1`` = padding, every one ``< tail_start[b]``) and then every position of
+    ``[tail_start[b], seq_lens[b])``. Returns rows, valid ``[B, hq, N + T]``, ``T`` the longest
+    tail (a host read: the reference sizes its view on the host)."""
+    b = sel_rows.shape[0]
+    tail_len = (seq_lens.long() - tail_start.long()).clamp(min=0)
+    t = int(tail_len.max()) if b else 0
+    j = torch.arange(t, device=sel_rows.device).view(1, -1)
+    rows = torch.cat([sel_rows.long(), tail_start.long().view(-1, 1) + j], dim=1)
+    valid = torch.cat([sel_rows >= 0, j < tail_len.view(-1, 1)], dim=1)
+    rows = torch.where(valid, rows, 0)
+    return rows.unsqueeze(1).expand(b, hq, -1), valid.unsqueeze(1).expand(b, hq, -1)
+
+
+def rows_tail_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, sel_rows, tail_start,
+                               seq_lens, scale=None):
+    """``sparse_decode_attention`` over ``rows_tail_to_rows``: the selected positions (shared by
+    every query head of a request) plus the contiguous tail ``[tail_start, seq_lens)``."""
+    rows, valid = rows_tail_to_rows(sel_rows, tail_start, seq_lens, q.shape[1])
+    return sparse_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, rows, valid, scale)
+
+
+def token_logits(q, k_cache, req_to_token, req_rows, seq_lens, scale=None):
+    """Every resident token's logit per query head: ``q_h . k_j * scale`` for positions
+    ``j < seq_lens[b]``, ``-inf`` beyond, fp32 ``[B, Hq, L]`` with ``L = req_to_token.shape[1]``
+    (a fixed width, so a captured graph sees one shape). OmniKV's filter layers score from it."""
+    b, hq, d = q.shape
+    width = req_to_token.shape[1]
+    n = int(seq_lens.max()) if b else 0  # the reference reads only resident positions
+    slots = req_to_token[req_rows.long(), :n].long()  # [B, n]
+    k = k_cache[slots].float().repeat_interleave(hq // k_cache.shape[1], dim=2)  # [B, n, Hq, D]
+    logits = torch.full((b, hq, width), float("-inf"), dtype=torch.float32, device=q.device)
+    logits[:, :, :n] = torch.einsum("bhd,bnhd->bhn", q.float(), k) * _scale(scale, d)
+    beyond = torch.arange(width, device=q.device).view(1, 1, -1) >= seq_lens.long().view(-1, 1, 1)
+    return logits.masked_fill(beyond, float("-inf"))
+
+
 def pages_to_rows(page_ids, seq_lens, page):
     """Expand page selections to positions: page ``p`` covers positions ``p*page .. p*page+page-1``.
     page_ids ``[B, Hq, P]`` (``-1`` = padding), seq_lens ``[B]``. Returns rows, valid

@@ -3,6 +3,7 @@
 from .triton_cells import cells_decode_attention
 from .triton_compact import compact_kv
 from .triton_decode import paged_sparse_decode_attention, sparse_decode_attention
+from .triton_omnikv import rows_tail_decode_attention, token_logits
 from .triton_quest import quest_page_scores, quest_page_scores_paged
 from .triton_snapkv import snapkv_window_scores
 
@@ -12,6 +13,8 @@ __all__ = [
     "paged_sparse_decode_attention",
     "quest_page_scores",
     "quest_page_scores_paged",
+    "rows_tail_decode_attention",
     "snapkv_window_scores",
     "sparse_decode_attention",
+    "token_logits",
 ]

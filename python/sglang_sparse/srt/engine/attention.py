@@ -10,8 +10,8 @@ Per layer: write this step's KV, ask the controller for the view, run attention 
 the backend's own dense kernel over the resident rows; a DecodeView: ``kernels.decode``, i.e.
 sgl-kernel-sparse's Triton kernel on CUDA, the plain-torch reference elsewhere), then report the
 output. Decode steps take one of three paths, chosen by the method's capabilities:
-- ``graph_decode`` (Quest, PyramidKV, KIVI): tensor-only ``decode_view_tensors`` and the kernel
-  of the view it returns (paged, per-layer cells, quantized blocks), also inside SGLang's
+- ``graph_decode`` (Quest, OmniKV, PyramidKV, KIVI): tensor-only ``decode_view_tensors`` and the kernel
+  of the view it returns (paged, rows + tail, per-layer cells, quantized blocks), also inside SGLang's
   captured decode CUDA graphs;
 - per-layer Python hooks (``decode_hooks``): eager only (the launcher disables CUDA graphs);
 - neither (dense, SnapKV): the backend's own path untouched, CUDA graphs included.
@@ -24,8 +24,9 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_sparse.core.events import DecodeBatch, LayerInput
-from sglang_sparse.core.views import CellsDecodeView, DecodeView, LayerRowsView, PrefixKVView, QuantizedDecodeView
-from sglang_sparse.kernels.decode import decode_over_cells, decode_over_pages, decode_over_views
+from sglang_sparse.core.views import (CellsDecodeView, DecodeView, LayerRowsView, PrefixKVView, QuantizedDecodeView,
+                                      RowsTailDecodeView)
+from sglang_sparse.kernels.decode import decode_over_cells, decode_over_pages, decode_over_rows_tail, decode_over_views
 from sglang_sparse.kernels.prefill import extend_over_cells, extend_over_kv
 from sglang_sparse.kernels.quantized import kivi_decode
 from sglang_sparse.srt.prune import scheduler as prune
@@ -121,6 +122,9 @@ class SparseHooks:
             # history blocks of each request + its resident full-precision rows (this token's incl.)
             out = kivi_decode(q3, view.store, layer.layer_id, view.block_table, batch.req_rows.long(),
                               view.n_blocks, k_cache, v_cache, table, batch.n_rows, layer.scaling)
+        elif isinstance(view, RowsTailDecodeView):  # chosen rows + the contiguous tail (OmniKV)
+            out = decode_over_rows_tail(q3, k_cache, v_cache, table, batch.req_rows, view.sel_rows,
+                                        view.tail_start, view.n_rows, layer.scaling)
         else:
             out = decode_over_pages(q3, k_cache, v_cache, table, batch.req_rows, view.page_ids, view.n_rows,
                                     view.page_size, layer.scaling)

@@ -1,0 +1,147 @@
+"""OmniKV's two decode kernels, graph-safe (no host sync; every bound is read on the device).
+
+``token_logits``: grid ``(B, Hkv, cdiv(L, BLOCK_L))``. Program (b, g, t) loads the keys of
+positions ``[t*BLOCK_L, (t+1)*BLOCK_L)`` of request b once (slot = ``req_to_token[req_rows[b],
+pos]``, KV head g) and writes the logits of the GROUP query heads that share them; positions
+``>= seq_lens[b]`` get ``-inf``. Output fp32 ``[B, Hq, L]``, ``L`` = the slot table's width.
+
+``rows_tail_decode_attention``: grid ``(B, Hq, S)``. Request b's view has ``N + T_b`` entries,
+``T_b = max(seq_lens[b] - tail_start[b], 0)``:
+
+  n <  N: position = sel_rows[b, n]           (``-1`` = padding; shared by every query head)
+  n >= N: position = tail_start[b] + n - N    (the contiguous tail: OmniKV's generated tokens)
+
+Split s of request b takes entries ``[s*c, min((s+1)*c, N + T_b))``, ``c = cdiv(N + T_b, S)``
+rounded up to BLOCK_N, computed per request on the device (a long tail does not stretch the
+others). Online softmax and split merge are ``triton_decode``'s.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import check_device, check_rows, pow2
+from .triton_decode import LOG2E, _attend_tile, _store_head, merge_splits, plan_splits, split_buffers
+
+
+@triton.jit
+def _token_logits_kernel(
+    Q, K, REQ_TO_TOKEN, REQ_ROWS, SEQ_LENS, OUT, scale, L,
+    s_qb, s_qh, s_ks, s_kh, s_rt,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    t = tl.program_id(2)
+    hq = tl.num_programs(1) * GROUP
+    req = tl.load(REQ_ROWS + b).to(tl.int64)
+    seq = tl.load(SEQ_LENS + b)
+    pos = t * BLOCK_L + tl.arange(0, BLOCK_L)
+    inside = pos < L
+    ok = inside & (pos < seq)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    slot = tl.load(REQ_TO_TOKEN + req * s_rt + pos, mask=ok, other=0).to(tl.int64)
+    k = tl.load(K + slot[:, None] * s_ks + g * s_kh + d[None, :], mask=ok[:, None] & dmask[None, :],
+                other=0.0).to(tl.float32)
+    for j in tl.static_range(GROUP):
+        h = g * GROUP + j
+        q = tl.load(Q + b * s_qb + h * s_qh + d, mask=dmask, other=0.0).to(tl.float32) * scale
+        logit = tl.where(ok, tl.sum(k * q[None, :], axis=1), -float("inf"))
+        tl.store(OUT + (b * hq + h).to(tl.int64) * L + pos, logit, mask=inside)
+
+
+@triton.jit
+def _rows_tail_partial_kernel(
+    Q, K, V, REQ_TO_TOKEN, REQ_ROWS, SEL, TAIL_START, SEQ_LENS, OUT, O_PART, LSE_PART,
+    qk_scale, N,
+    s_qb, s_qh, s_ks, s_kh, s_vs, s_vh, s_rt, s_sb, s_ob, s_oh,
+    GROUP: tl.constexpr, SPLIT: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    kvh = h // GROUP
+    req = tl.load(REQ_ROWS + b).to(tl.int64)
+    tail0 = tl.load(TAIL_START + b).to(tl.int64)
+    total = N + tl.maximum(tl.load(SEQ_LENS + b).to(tl.int64) - tail0, 0)
+    share = tl.cdiv(tl.cdiv(total, BLOCK_N), tl.num_programs(2)) * BLOCK_N
+    start = s * share
+    stop = tl.minimum(start + share, total)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    q = tl.load(Q + b * s_qb + h * s_qh + d, mask=dmask, other=0.0).to(tl.float32) * qk_scale
+    m_i = -float("inf")
+    l_i = 0.0
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, stop, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        live = n < stop
+        chosen = n < N
+        sel = tl.load(SEL + b * s_sb + n, mask=live & chosen, other=-1).to(tl.int64)
+        pos = tl.where(chosen, sel, tail0 + n - N)
+        ok = live & (pos >= 0)
+        slot = tl.load(REQ_TO_TOKEN + req * s_rt + pos, mask=ok, other=0).to(tl.int64)
+        m_i, l_i, acc = _attend_tile(K, V, slot, ok, q, kvh, d, dmask, s_ks, s_kh, s_vs, s_vh, m_i, l_i, acc)
+    o = acc / tl.where(l_i > 0, l_i, 1.0)
+    _store_head(OUT, O_PART, LSE_PART, o, m_i, l_i, b, h, s, d, dmask, s_ob, s_oh, D, SPLIT)
+
+
+def token_logits(q, k_cache, req_to_token, req_rows, seq_lens, scale=None, block_l=64):
+    """Triton version of ``reference.token_logits``: fp32 ``[B, Hq, L]``."""
+    b, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if hq % hkv:
+        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
+    check_rows(q, k_cache)
+    check_device(req_to_token, req_rows, seq_lens)
+    if req_to_token.stride(1) != 1:
+        raise ValueError("req_to_token rows must be contiguous")
+    width = req_to_token.shape[1]
+    out = torch.empty(b, hq, width, dtype=torch.float32, device=q.device)
+    if b == 0 or width == 0:
+        return out
+    scale = (1.0 / d**0.5) if scale is None else float(scale)
+    _token_logits_kernel[(b, hkv, triton.cdiv(width, block_l))](
+        q, k_cache, req_to_token, req_rows, seq_lens, out, scale, width,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0),
+        GROUP=hq // hkv, D=d, BLOCK_D=pow2(d, 16), BLOCK_L=block_l, num_warps=4,
+    )
+    return out
+
+
+def rows_tail_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, sel_rows, tail_start, seq_lens,
+                               scale=None, num_splits=None, block_n=None, expected_tail=None):
+    """Triton version of ``reference.rows_tail_decode_attention``. The split count is planned
+    for ``N + expected_tail`` entries (default ``N``): a fixed launch shape, so a captured graph
+    replays it whatever the tails are."""
+    b, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if hq % hkv:
+        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
+    if sel_rows.dim() != 2 or sel_rows.shape[0] != b or sel_rows.stride(1) != 1:
+        raise ValueError(f"sel_rows must be [B, N] with contiguous rows, got {tuple(sel_rows.shape)}")
+    check_rows(q, k_cache, v_cache)
+    check_device(req_to_token, req_rows, sel_rows, tail_start, seq_lens)
+    if req_to_token.stride(1) != 1:
+        raise ValueError("req_to_token rows must be contiguous")
+    out = torch.empty_like(q)
+    if b == 0 or hq == 0:
+        return out
+    n = sel_rows.shape[1]
+    plan_n = n + (n if expected_tail is None else int(expected_tail))
+    block_n, num_splits, _ = plan_splits(b * hq, plan_n, d, q.device, block_n, num_splits)
+    o_part, lse_part = split_buffers(out, num_splits)
+    scale = (1.0 / d**0.5) if scale is None else float(scale)
+    _rows_tail_partial_kernel[(b, hq, num_splits)](
+        q, k_cache, v_cache, req_to_token, req_rows, sel_rows, tail_start, seq_lens, out, o_part, lse_part,
+        scale * LOG2E, n,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0), sel_rows.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=hq // hkv, SPLIT=num_splits > 1, D=d, BLOCK_D=pow2(d, 16), BLOCK_N=block_n, num_warps=4,
+    )
+    return merge_splits(o_part, lse_part, out, num_splits)
