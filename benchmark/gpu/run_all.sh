@@ -9,13 +9,15 @@
 #                   (the two together took 453 s in one call, 2026-12-02)
 #   tests-payload   StreamingLLM and PyramidKV servers in graphs == eager                   ~6 min
 #   tests-kivi      KIVI servers: graphs == eager, chain resume, radix-cache hit            ~5.5 min
-#   tests-omnikv    OmniKV kernels == references; OmniKV graphs == eager; dense, Quest and
-#                   OmniKV with --enable-torch-compile == eager
+#   tests-omnikv    OmniKV kernels == references; OmniKV graphs == eager                  ~4 min
+#   tests-compile   dense, Quest and OmniKV with --enable-torch-compile == eager           ~6 min
 # Benchmarks:
 #   kernels   sgl-kernel-sparse microbenchmarks (bandwidth against the HBM ceiling)      ~2 min
 #   capacity  8B shape, 32K in / 2K out: largest resident batch, dense vs SnapKV(2048)   ~7 min
 #   matched   8B shape, 32K: plain SGLang vs dense vs Quest(2048) at batch 1 2 4 8       ~8 min
-#   matched128k  the same at 128K, batch 1 2 4                                            ~9 min
+#   matched128k-dense   8B shape, 128K, batch 1 2 4: dense tuned over 32 / 64 kv splits  ~9 min
+#   matched128k-sparse  the same prompts: Quest(2048) and OmniKV(2048)                   ~9 min
+#   (each 128K server prefills 4 prompts, ~45 s each, so two servers fill one call)
 # One call holds at most 10 minutes: give stages whose times add up to well under that, e.g.
 #   bash benchmark/gpu/run_all.sh tests-kernels tests-kivi
 # Each stage prints its name, start time and, when it ends, how long it took.
@@ -49,7 +51,9 @@ for stage in "$@"; do
       gpu_tests "$stage" test/test_gpu_payload.py -k kivi ;;
     tests-omnikv)
       gpu_tests "$stage-kernels" test/test_sparse_kernels.py -k omnikv
-      gpu_tests "$stage" test/test_gpu_server.py -k "omnikv or torch_compile" ;;
+      gpu_tests "$stage" test/test_gpu_server.py -k "omnikv and not torch_compile" ;;
+    tests-compile)
+      gpu_tests "$stage" test/test_gpu_server.py -k "torch_compile" ;;
     kernels)
       python3 sgl-kernel-sparse/bench/bench_kernels.py --out "$OUT/kernels.json" --no-ref 2>&1 | tee "$OUT/kernels.txt" ;;
     capacity)
@@ -60,10 +64,14 @@ for stage in "$@"; do
       python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 32768 --batches 1 2 4 8 \
         --pool 294912 --methods plain dense quest --out long_matched_32k.json \
         -- --cuda-graph-bs-decode 1 2 4 8 2>&1 | tee "$OUT/matched.txt" ;;
-    matched128k)
+    matched128k-dense)
       python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 131072 --output-len 64 \
-        --batches 1 2 4 --pool 540672 --methods dense quest --out long_matched_128k.json \
-        -- --cuda-graph-bs-decode 1 2 4 2>&1 | tee "$OUT/matched128k.txt" ;;
+        --batches 1 2 4 --pool 540672 --methods dense --tune dense --kv-splits 32 64 \
+        --out long_matched_128k_dense.json -- --cuda-graph-bs-decode 1 2 4 2>&1 | tee "$OUT/$stage.txt" ;;
+    matched128k-sparse)
+      python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 131072 --output-len 64 \
+        --batches 1 2 4 --pool 540672 --methods quest omnikv --tune \
+        --out long_matched_128k_sparse.json -- --cuda-graph-bs-decode 1 2 4 2>&1 | tee "$OUT/$stage.txt" ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "=== $stage took $((SECONDS - start)) s"
