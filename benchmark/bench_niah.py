@@ -47,6 +47,10 @@ CONFIGS = {
                          "--chain-cache", "off"],
     "streamingllm@1024": ["--sparse-method", "streamingllm", "--sparse-sinks", "4", "--sparse-recent", "1020",
                           "--chain-cache", "off"],
+    # retrieve x tokens_per_cluster = the budget in retrieved tokens (plus 4 sinks + 64 local rows, exact)
+    "retroinfer@256": ["--sparse-method", "retroinfer", "--sparse-retrieve", "16", "--sparse-tokens-per-cluster", "16"],
+    "retroinfer@1024": ["--sparse-method", "retroinfer", "--sparse-retrieve", "64", "--sparse-tokens-per-cluster",
+                        "16"],
     "fp8": ["--sparse-method", "fp8"],
     "kivi-2bit": ["--sparse-method", "kivi", "--sparse-bits", "2"],
     "kivi-4bit": ["--sparse-method", "kivi", "--sparse-bits", "4"],

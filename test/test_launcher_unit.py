@@ -155,3 +155,16 @@ def test_fp8_sets_or_checks_the_kv_cache_dtype():
         sparse_config(["--device", "cpu", "--sparse-method", "fp8", "--kv-cache-dtype", "bf16"], log=lambda m: None)
     _, argv = sparse_config(["--device", "cpu", "--sparse-method", "dense"], log=lambda m: None)
     assert "--kv-cache-dtype" not in argv
+
+
+def test_retroinfer_decodes_eagerly_evicts_and_has_no_chains():
+    """RetroInfer computes each decode layer in Python (ComputedDecodeView): CUDA graphs off on a
+    GPU; its cold rows leave the pool: radix cache off; Chain Cache cannot carry its tiers."""
+    from sglang_sparse.registry import ConfigError
+    from sglang_sparse.srt.launcher import sparse_config
+
+    config, argv = sparse_config(["--device", "cuda", "--sparse-method", "retroinfer"], log=lambda m: None)
+    assert "--disable-cuda-graph" in argv and "--disable-radix-cache" in argv
+    assert argv[argv.index("--attention-backend") + 1] == "triton" and config["chain_cache"] is False
+    with pytest.raises(ConfigError, match="--chain-cache on is not supported by --sparse-method retroinfer"):
+        sparse_config(["--device", "cpu", "--sparse-method", "retroinfer", "--chain-cache", "on"], log=lambda m: None)

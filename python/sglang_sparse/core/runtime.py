@@ -101,6 +101,13 @@ class SparseMethodRuntime:
         block store); the engine's pool is counted by the adapter."""
         return 0, 0
 
+    def tier_stats(self) -> dict | None:
+        """A method that keeps KV outside the device (RetroInfer's host tier): ``host_bytes_total``,
+        ``host_bytes_used`` and per-tier figures (cache hits / misses, device bytes), reported by
+        ``/sparse/stats`` and the ``host_bytes`` gauge; host bytes are never part of
+        ``payload_bytes`` (device memory). None: one tier, the device."""
+        return None
+
     def payload_bytes_per_token(self) -> float | None:
         """Bytes per token of the method's own representation; None: the engine pool's."""
         return None

@@ -7,7 +7,7 @@ row / logical convention). ``None`` from a hook means "dense": every resident ro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -101,3 +101,14 @@ class CellsDecodeView:
 
     tables: Any  # CellTables
     layer: int
+
+
+@dataclass(frozen=True)
+class ComputedDecodeView:
+    """A decode layer whose output the method computes itself (RetroInfer: exact attention over
+    retrieved clusters fetched from its own tiers plus an estimate of the rest, which no row list
+    can express). ``attend(scale)`` returns the layer's attention output ``[B, H_q, d_v]`` for the
+    step's requests in step order, ``scale`` being the layer's softmax scale. Eager only: the
+    method runs Python per layer (``decode_needs_python``)."""
+
+    attend: Callable[[float], torch.Tensor]

@@ -1,4 +1,4 @@
 """Sparse methods, one file each; importing this package registers them all (``registry``)."""
 
-from sglang_sparse.methods import dense, fp8, kivi, omnikv, pyramidkv, quest, snapkv, streamingllm  # noqa: F401
+from sglang_sparse.methods import dense, fp8, kivi, omnikv, pyramidkv, quest, retroinfer, snapkv, streamingllm  # noqa: F401
 from sglang_sparse.registry import build_config, get_method, method_names  # noqa: F401

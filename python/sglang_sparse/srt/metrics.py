@@ -13,6 +13,7 @@ Names (all prefixed ``sglang_sparse:``; gauges summed over live schedulers):
 | ``events_total`` | counter | method, event | the method's counters (``compactions``, ``slots_released``, ``admission_rows_saved``, ``pages_selected``, ...) |
 | ``kv_slots`` | gauge | owner | KV slots by owner: ``free``, ``requests``, ``radix_tree``, ``chains`` |
 | ``kv_bytes`` | gauge | owner | the same in bytes of the KV pool |
+| ``host_bytes`` | gauge | kind | a method's host tier (RetroInfer): ``total`` capacity and ``used`` bytes (absent for one-tier methods) |
 | ``kv_tokens`` | gauge | owner, kind | ``logical`` and ``retained`` tokens by owner (``/sparse/stats`` ``by_owner``) |
 | ``chains`` | gauge | status | chains per status (``active``, ``idle``, ``reclaimed``, ``invalidated``) |
 | ``integrity_lost_slots``, ``integrity_owned_twice_slots`` | gauge | | the last slot census (0 when healthy) |
@@ -44,6 +45,7 @@ class SchedulerMetrics:
         self.bytes = Gauge(f"{PREFIX}kv_bytes", "KV pool bytes by owner", ["owner"], multiprocess_mode="livesum")
         self.tokens = Gauge(f"{PREFIX}kv_tokens", "logical and retained tokens by owner", ["owner", "kind"],
                             multiprocess_mode="livesum")
+        self.host = Gauge(f"{PREFIX}host_bytes", "host-tier KV bytes", ["kind"], multiprocess_mode="livesum")
         self.chains = Gauge(f"{PREFIX}chains", "chains by status", ["status"], multiprocess_mode="livesum")
         self.lost = Gauge(f"{PREFIX}integrity_lost_slots", "slots without an owner at the last census",
                           multiprocess_mode="livesum")
@@ -81,6 +83,9 @@ class SchedulerMetrics:
         for owner, n in slots.items():
             self.slots.labels(owner).set(n)
             self.bytes.labels(owner).set(n * per_slot)
+        if "host_bytes_total" in stats:  # a method with a host tier
+            self.host.labels("total").set(stats["host_bytes_total"])
+            self.host.labels("used").set(stats["host_bytes_used"])
         for owner in OWNERS:
             for kind in ("logical", "retained"):
                 self.tokens.labels(owner, kind).set(stats["by_owner"][owner][f"{kind}_tokens"])

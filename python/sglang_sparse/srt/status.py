@@ -51,6 +51,9 @@ def scheduler_stats(scheduler) -> dict | None:
     runtime = st.controller.runtime
     own_total, own_used = runtime.payload_bytes()  # a method-owned store (docs/kv_payload.md)
     per_token = runtime.payload_bytes_per_token()
+    tiers = runtime.tier_stats()  # a host tier besides the device (RetroInfer); never in kv_bytes_*
+    host = {} if tiers is None else {"host_bytes_total": tiers["host_bytes_total"],
+                                     "host_bytes_used": tiers["host_bytes_used"], "tiers": tiers}
     return {
         "method": stats["method"],
         "kv_total_slots": total,
@@ -59,6 +62,7 @@ def scheduler_stats(scheduler) -> dict | None:
         "kv_bytes_per_slot": per_slot,
         "kv_bytes_total": total * per_slot + own_total,
         "kv_bytes_used": (total - free) * per_slot + own_used,
+        **host,
         # everything resident: running requests, the radix tree, idle chains (split in by_owner)
         "logical_tokens": logical,
         "retained_tokens": retained,

@@ -13,7 +13,9 @@ output. Decode steps take one of three paths, chosen by the method's capabilitie
 - ``graph_decode`` (Quest, OmniKV, PyramidKV, KIVI): tensor-only ``decode_view_tensors`` and the kernel
   of the view it returns (paged, rows + tail, per-layer cells, quantized blocks), also inside SGLang's
   captured decode CUDA graphs;
-- per-layer Python hooks (``decode_hooks``): eager only (the launcher disables CUDA graphs);
+- per-layer Python hooks (``decode_hooks``): eager only (the launcher disables CUDA graphs); the
+  view is a ``DecodeView`` (rows for ``kernels.decode``) or a ``ComputedDecodeView`` (the method
+  computes the layer's output itself, RetroInfer);
 - neither (dense, SnapKV): the backend's own path untouched, CUDA graphs included.
 """
 
@@ -24,8 +26,8 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_sparse.core.events import DecodeBatch, LayerInput
-from sglang_sparse.core.views import (CellsDecodeView, DecodeView, LayerRowsView, PrefixKVView, QuantizedDecodeView,
-                                      RowsTailDecodeView)
+from sglang_sparse.core.views import (CellsDecodeView, ComputedDecodeView, DecodeView, LayerRowsView, PrefixKVView,
+                                      QuantizedDecodeView, RowsTailDecodeView)
 from sglang_sparse.kernels.decode import decode_over_cells, decode_over_pages, decode_over_rows_tail, decode_over_views
 from sglang_sparse.kernels.prefill import extend_over_cells, extend_over_kv
 from sglang_sparse.kernels.quantized import kivi_decode
@@ -94,6 +96,8 @@ class SparseHooks:
         view = STATE.scheduler.controller.attention_view(inp)
         if view is None:
             o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache=False)
+        elif isinstance(view, ComputedDecodeView):  # the method's own output (RetroInfer's tiers)
+            o = view.attend(layer.scaling).to(q.dtype).reshape(inp.q.shape[0], -1)
         else:
             o = self._decode_over_view(inp, view, layer, forward_batch)
         STATE.scheduler.controller.attention_done(inp, o.view(-1, layer.tp_q_head_num, layer.v_head_dim))

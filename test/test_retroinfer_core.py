@@ -1,0 +1,251 @@
+"""RetroInfer on the plain-torch engine (no SGLang): after the prompt, the cold rows' slots go back
+to the allocator and their K / V to the host tier; a decode layer's output (the method's
+``ComputedDecodeView``) equals ``sgl_kernel_sparse.retro``'s tripartite attention on the original
+tensors, its retrieved clusters are the top ones by q . centroid (a loop reference), estimation
+brings it close to dense attention where retrieval alone is far; the two tiers (LRU order, hits,
+misses, bytes, copies) and config errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sgl_kernel_sparse.retro import build_wave_index, retro_decode_attention
+
+import single_request as one
+from sglang_sparse.core.events import StepMode
+from sglang_sparse.core.tiered_store import ClusterCache, HostRows
+from sglang_sparse.core.views import ComputedDecodeView
+from sglang_sparse.methods.retroinfer import LayerIndex, RetroInferRuntime, select_clusters, tripartite
+from sglang_sparse.registry import ConfigError, build_config
+from toy_engine import HKV, HQ, LAYERS, D, ToyEngine, qkv
+
+KNOBS = {"segment": 32, "tokens_per_cluster": 4, "retrieve": 3, "sinks": 2, "local": 4, "kmeans_iters": 5}
+SCALE = D ** -0.5
+
+
+def decoded(eng, rid="a", seed=100):
+    dq, dk, dv = qkv(1, seed=seed)
+    eng.views.clear()
+    eng.decode(rid, 0, dq, dk, dv)
+    views = dict(eng.views)
+    assert all(isinstance(v, ComputedDecodeView) for v in views.values())
+    return dq, dk, dv, views
+
+
+def test_decode_equals_the_tripartite_reference_and_cold_slots_are_released():
+    length, c = 60, KNOBS
+    q, k, v = qkv(length, seed=1)
+    eng = ToyEngine("retroinfer", KNOBS)
+    rt: RetroInferRuntime = eng.ctl.runtime
+    assert rt.evicts_kv and not rt.supports_chains and type(rt).decode_needs_python()
+    free0 = eng.store.free_count()
+    freed = eng.prefill("a", 0, q, k, v, chunk=25)
+    cold = length - c["sinks"] - c["local"]
+    assert freed == cold and eng.store.free_count() == free0 - c["sinks"] - c["local"]
+    assert rt.host.bytes_used == LAYERS * 2 * cold * HKV * D * 4  # float32 K and V of every cold row
+    dq, dk, dv, views = decoded(eng)
+    for layer in range(LAYERS):
+        cold_k, cold_v = k[layer][c["sinks"]: length - c["local"]], v[layer][c["sinks"]: length - c["local"]]
+        ref_idx = build_wave_index(cold_k, cold_v, c["segment"], c["tokens_per_cluster"], c["kmeans_iters"])
+        mine = rt.indexes["a"][layer]
+        torch.testing.assert_close(mine.centroids, ref_idx.centroids)
+        # the reference reads index rows [0, cold) then the steady rows: sinks, local, this token
+        k_all = torch.cat([cold_k, k[layer][: c["sinks"]], k[layer][length - c["local"]:], dk[layer]])
+        v_all = torch.cat([cold_v, v[layer][: c["sinks"]], v[layer][length - c["local"]:], dv[layer]])
+        steady = torch.arange(cold, k_all.shape[0])
+        want = retro_decode_attention(dq[layer][0], k_all, v_all, ref_idx, steady, c["retrieve"], SCALE)
+        got = views[layer].attend(SCALE)
+        assert got.shape == (1, HQ, D)
+        torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-5)
+    assert rt.tiers.misses > 0 and rt.tiers.hits == 0  # every cluster came from the host tier once
+    misses = rt.tiers.misses
+    views[0].attend(SCALE)  # the same query again: its clusters are on the device now
+    assert rt.tiers.misses == misses and rt.tiers.hits > 0
+    eng.finish("a", 0)
+    assert rt.host.bytes_used == 0 and rt.tiers.bytes_used == 0 and rt.index_bytes == 0
+    assert eng.store.free_count() == free0
+
+
+def reference_top(q, centroids, sizes, n):
+    """Per query head: the n non-empty clusters of highest q . centroid, ties to the lower id."""
+    out = []
+    for h in range(q.shape[0]):
+        scored = [(float(q[h] @ centroids[c]), c) for c in range(centroids.shape[0]) if sizes[c] > 0]
+        out.append(sorted(c for _, c in sorted(scored, key=lambda t: (-t[0], t[1]))[:n]))
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 3, 50])
+def test_selected_clusters_are_the_top_ones_by_query_centroid_score(n):
+    g = torch.Generator().manual_seed(7)
+    cent = torch.randn(12, D, generator=g)
+    sizes = torch.randint(0, 4, (12,), generator=g)
+    sizes[3] = 0
+    cent[5] = cent[6]  # a tie: the lower id first
+    q = torch.randn(3, D, generator=g)
+    mask = select_clusters(q, cent, sizes, n)
+    assert [mask[h].nonzero().flatten().tolist() for h in range(3)] == reference_top(q, cent, sizes, n)
+
+
+def clustered_keys(n, centers, noise, seed):
+    g = torch.Generator().manual_seed(seed)
+    c = torch.randn(centers, HKV, D, generator=g) * 2
+    k = c[torch.randint(0, centers, (n,), generator=g)] + noise * torch.randn(n, HKV, D, generator=g)
+    return k, torch.randn(n, HKV, D, generator=g)
+
+
+def run_tripartite(k, v, res, retrieve, tpc=8):
+    """The method's attention over cold rows ``[0, len - res)`` (indexed, fetched from the original
+    tensors) and resident rows ``[len - res, len)``."""
+    cold = k.shape[0] - res
+    idx = build_wave_index(k[:cold], v[:cold], 64, tpc, 10)
+    layer = LayerIndex(idx.centroids, idx.sizes, idx.value_sums)
+    q = torch.randn(HQ, D, generator=torch.Generator().manual_seed(9))
+
+    def fetch(g, c):
+        rows = idx.order[g, idx.offsets[g, c]: idx.offsets[g, c + 1]]
+        return k[rows, g], v[rows, g]
+
+    out = tripartite(q, k[cold:], v[cold:], layer, fetch, retrieve, SCALE)
+    return q, out, idx
+
+
+def dense(q, k, v):
+    return one.masked_decode_attention(q, k, v, torch.ones(HQ, k.shape[0], dtype=torch.bool))
+
+
+def test_retrieving_every_cluster_is_exact_attention():
+    k, v = clustered_keys(100, 6, 0.5, seed=3)
+    q, out, idx = run_tripartite(k, v, res=10, retrieve=1000)
+    torch.testing.assert_close(out, dense(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_estimation_recovers_the_unretrieved_mass():
+    """Tight clusters: the estimate of the clusters left out is close to their exact share, so the
+    output is close to dense attention; attending the retrieved clusters and the resident rows
+    alone (no estimation) is far from it."""
+    k, v = clustered_keys(128, 4, 0.02, seed=4)
+    q, out, idx = run_tripartite(k, v, res=8, retrieve=2)
+    want = dense(q, k, v)
+    assert (out - want).abs().max() < 0.02
+    steady = torch.arange(120, 128)
+    torch.testing.assert_close(out, retro_decode_attention(q, k, v, idx, steady, 2, SCALE), rtol=1e-5, atol=1e-5)
+    without = torch.empty_like(out)  # the same zones with the estimation zone dropped
+    for h in range(HQ):
+        g = h // (HQ // HKV)
+        picked = select_clusters(q[h: h + 1], idx.centroids[g], idx.sizes[g], 2)[0].nonzero().flatten().tolist()
+        rows = torch.cat([idx.order[g, idx.offsets[g, c]: idx.offsets[g, c + 1]] for c in picked] + [steady])
+        w = ((k[rows, g] @ q[h]) * SCALE).softmax(0)
+        without[h] = w @ v[rows, g]
+    assert (without - want).abs().max() > 10 * (out - want).abs().max()
+
+
+def test_a_short_prompt_is_not_indexed_and_decodes_exactly():
+    q, k, v = qkv(6, seed=2)  # sinks + local = 6
+    eng = ToyEngine("retroinfer", KNOBS)
+    assert eng.prefill("a", 0, q, k, v, chunk=4) == 0
+    dq, dk, dv, views = decoded(eng)
+    rt = eng.ctl.runtime
+    assert "a" not in rt.indexes and rt.host.bytes_used == 0
+    for layer in range(LAYERS):
+        kk, vv = torch.cat([k[layer], dk[layer]]), torch.cat([v[layer], dv[layer]])
+        torch.testing.assert_close(views[layer].attend(SCALE)[0], dense(dq[layer][0], kk, vv), rtol=1e-5, atol=1e-5)
+
+
+def test_a_full_host_tier_keeps_the_prompt_resident():
+    q, k, v = qkv(60, seed=5)
+    eng = ToyEngine("retroinfer", KNOBS)
+    rt = eng.ctl.runtime
+    rt.host.capacity_bytes = 1000  # less than one layer's cold rows
+    assert eng.prefill("a", 0, q, k, v, chunk=60) == 0
+    assert rt.counters["retro_host_full"] == 1 and rt.host.bytes_used == 0
+    dq, dk, dv, views = decoded(eng)
+    kk, vv = torch.cat([k[1], dk[1]]), torch.cat([v[1], dv[1]])
+    torch.testing.assert_close(views[1].attend(SCALE)[0], dense(dq[1][0], kk, vv), rtol=1e-5, atol=1e-5)
+
+
+def test_two_requests_in_one_decode_step():
+    eng = ToyEngine("retroinfer", KNOBS)
+    for row, (rid, seed) in enumerate((("a", 11), ("b", 12))):
+        q, k, v = qkv(40 + 10 * row, seed=seed)
+        eng.prefill(rid, row, q, k, v, chunk=64)
+    from sglang_sparse.core.events import RequestSlice
+    slices = []
+    for row, rid in enumerate(("a", "b")):
+        ret = eng.ctl.cache.retained(rid)
+        slices.append(RequestSlice(rid, row, ret.logical_len, ret.logical_len + 1, ret.n_rows,
+                                   eng.ctl.cache.requests[rid].prompt_len))
+    dq, dk, dv = qkv(2, seed=13)
+    eng.views.clear()
+    eng.run_step(StepMode.DECODE, slices, dq, dk, dv)
+    out = dict(eng.views)[2].attend(SCALE)
+    assert out.shape == (2, HQ, D)
+    rt = eng.ctl.runtime
+    for i, rid in enumerate(("a", "b")):  # each request reads its own index and rows
+        single = rt.indexes[rid][2]
+        slots = eng.store.row_slots(i, 0, slices[i].row_start + 1)
+        want = tripartite(dq[2][i], eng.store.k[2][slots], eng.store.v[2][slots], single,
+                          lambda g, c, rid=rid: rt.tiers.get(rid, 2, g, c), KNOBS["retrieve"], SCALE)
+        torch.testing.assert_close(out[i], want)
+
+
+# -- the tiers ------------------------------------------------------------------------------
+def host_with(rows_per_cluster=(2, 3, 1)):
+    host = HostRows("cpu", capacity_bytes=10_000)
+    n = sum(rows_per_cluster)
+    k = torch.arange(n * D, dtype=torch.float32).view(1, n, D)
+    offsets = torch.tensor([[0, *torch.tensor(rows_per_cluster).cumsum(0).tolist()]])
+    assert host.put("r", 0, k, -k, offsets)
+    return host, k
+
+
+def test_cluster_cache_lru_hits_misses_bytes_and_copies():
+    host, k = host_with()
+    row_bytes = 2 * D * 4
+    cache = ClusterCache(host, "cpu", capacity_rows=5, row_bytes=row_bytes)
+    assert cache.bytes_total == 5 * row_bytes
+    ck, cv = cache.get("r", 0, 0, 1)  # rows [2, 5)
+    torch.testing.assert_close(ck, k[0, 2:5])
+    torch.testing.assert_close(cv, -k[0, 2:5])
+    assert ck.data_ptr() != host.layers[("r", 0)].k.data_ptr() + 2 * D * 4  # a copy, not a view
+    cache.get("r", 0, 0, 0)  # rows [0, 2): 5 rows cached
+    assert (cache.hits, cache.misses, cache.rows_used, cache.bytes_used) == (0, 2, 5, 5 * row_bytes)
+    cache.get("r", 0, 0, 1)  # hit: cluster 1 becomes the most recent
+    assert cache.hits == 1 and list(cache.entries) == [("r", 0, 0, 0), ("r", 0, 0, 1)]
+    cache.get("r", 0, 0, 2)  # 1 more row: the least recent (cluster 0) goes
+    assert cache.evictions == 1 and list(cache.entries) == [("r", 0, 0, 1), ("r", 0, 0, 2)]
+    assert cache.rows_used == 4 and cache.bytes_used == 4 * row_bytes
+    cache.get("r", 0, 0, 0)
+    assert cache.misses == 4 and ("r", 0, 0, 1) not in cache.entries  # evicted in LRU order
+    cache.drop("r")
+    assert cache.rows_used == 0 and cache.bytes_used == 0 and not cache.entries
+
+
+def test_a_cluster_larger_than_the_cache_is_served_uncached():
+    host, k = host_with((4, 1))
+    cache = ClusterCache(host, "cpu", capacity_rows=3, row_bytes=2 * D * 4)
+    ck, _ = cache.get("r", 0, 0, 0)
+    torch.testing.assert_close(ck, k[0, :4])
+    assert not cache.entries and cache.rows_used == 0
+
+
+def test_host_rows_account_bytes_and_refuse_past_capacity():
+    host, k = host_with()
+    assert host.bytes_used == host.bytes_peak == 2 * k.nbytes and host.requests() == 1
+    big = torch.zeros(1, 1000, D)
+    assert not host.put("s", 0, big, big, torch.tensor([[0, 1000]]))  # over capacity: nothing stored
+    assert host.bytes_used == 2 * k.nbytes
+    assert host.drop("r") == 2 * k.nbytes and host.bytes_used == 0 and host.bytes_peak == 2 * k.nbytes
+
+
+@pytest.mark.parametrize("knobs, message", [
+    ({"tokens_per_cluster": 0}, "tokens_per_cluster=0 is out of range"),
+    ({"segment": 8, "tokens_per_cluster": 16}, "tokens_per_cluster=16 must be at most segment=8"),
+    ({"retrieve": 0}, "retrieve=0 is out of range"),
+    ({"local": 0}, "local=0 is out of range"),
+    ({"kmeans_iters": 0}, r"kmeans_iters=0 is out of range: must be in \[1, 100\]"),
+    ({"host_mb": 0}, "host_mb=0 is out of range"),
+])
+def test_config_errors_name_the_option(knobs, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config("retroinfer", knobs)
