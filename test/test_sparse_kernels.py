@@ -50,13 +50,20 @@ def req_table(n_req, ctx, num_slots, g):
     return torch.randperm(num_slots, generator=g)[: n_req * ctx].view(n_req, ctx).to(torch.int32)
 
 
-def decode_inputs(b, hq, hkv, d, n, ctx, dtype, seed, idx_dtype=torch.int64):
-    g = torch.Generator().manual_seed(seed)
-    n_req = b + 2
-    num_slots = n_req * ctx + 5
+def request_pool(b, spare, ctx, pad, hkv, d, dtype, g):
+    """A test batch's KV pool, slot table and request rows: ``b + spare`` table rows of ``ctx``
+    distinct shuffled slots in a pool of ``(b + spare) * ctx + pad`` slots; ``b`` of the rows used,
+    in random order."""
+    n_req = b + spare
+    num_slots = n_req * ctx + pad
     k, v = pool(num_slots, hkv, d, dtype, g)
     r2t = req_table(n_req, ctx, num_slots, g)
-    req_rows = torch.randperm(n_req, generator=g)[:b]
+    return k, v, r2t, torch.randperm(n_req, generator=g)[:b]
+
+
+def decode_inputs(b, hq, hkv, d, n, ctx, dtype, seed, idx_dtype=torch.int64):
+    g = torch.Generator().manual_seed(seed)
+    k, v, r2t, req_rows = request_pool(b, 2, ctx, 5, hkv, d, dtype, g)
     q = torch.randn(b, hq, 2 * d, generator=g).to(dtype)[..., :d]  # non-contiguous heads
     rows = torch.randint(0, ctx, (b, hq, n), generator=g)
     valid = torch.rand(b, hq, n, generator=g) > 0.3
@@ -68,11 +75,7 @@ def decode_inputs(b, hq, hkv, d, n, ctx, dtype, seed, idx_dtype=torch.int64):
 def paged_inputs(b, hq, hkv, d, page, n_sel, dtype, seed, seq_lens):
     g = torch.Generator().manual_seed(seed)
     ctx = max(seq_lens) + page
-    n_req = b + 1
-    num_slots = n_req * ctx + 3
-    k, v = pool(num_slots, hkv, d, dtype, g)
-    r2t = req_table(n_req, ctx, num_slots, g)
-    req_rows = torch.randperm(n_req, generator=g)[:b]
+    k, v, r2t, req_rows = request_pool(b, 1, ctx, 3, hkv, d, dtype, g)
     q = torch.randn(b, hq, d, generator=g).to(dtype)
     seq = torch.tensor(seq_lens)
     n_pages = (seq + page - 1) // page
@@ -91,11 +94,7 @@ def rows_tail_inputs(b, hq, hkv, d, n_sel, ctx, dtype, seed, tails):
     """OmniKV's view: ``sel_rows [B, n_sel]`` (chosen rows below ``tail_start``, ``-1`` padding)
     and a tail ``[tail_start, seq_lens)`` per request, ``tails`` its lengths (0: none)."""
     g = torch.Generator().manual_seed(seed)
-    n_req = b + 1
-    num_slots = n_req * ctx + 7
-    k, v = pool(num_slots, hkv, d, dtype, g)
-    r2t = req_table(n_req, ctx, num_slots, g)
-    req_rows = torch.randperm(n_req, generator=g)[:b]
+    k, v, r2t, req_rows = request_pool(b, 1, ctx, 7, hkv, d, dtype, g)
     q = torch.randn(b, hq, d, generator=g).to(dtype)
     tail_start = torch.randint(n_sel // 2, ctx - max(tails) - 1, (b,), generator=g)
     seq = tail_start + torch.tensor(tails)

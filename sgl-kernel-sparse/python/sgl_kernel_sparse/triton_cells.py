@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import check_device, check_rows, num_sms, pow2
+from .triton_common import check_device, check_gqa, check_rows, num_sms, pow2
 from .triton_decode import _attend_tile, _store_head, merge_splits, split_buffers
 
 LOG2E = 1.4426950408889634
@@ -84,8 +84,7 @@ def cells_decode_attention(q, flat_k, flat_v, req_to_token, req_rows, seq_lens, 
     """Triton version of ``reference.cells_decode_attention`` (same arguments). No host sync."""
     b, hq, d = q.shape
     hkv = flat_k.shape[1]
-    if hq % hkv:
-        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
+    check_gqa(hq, hkv)
     check_rows(q, flat_k, flat_v)
     check_device(req_to_token, req_rows, seq_lens, entries, offset, count, packed_rows)
     if req_to_token.stride(1) != 1 or offset.stride(1) != 1 or count.stride(1) != 1:

@@ -32,6 +32,18 @@ def check_rows(*tensors: torch.Tensor) -> None:
             raise ValueError(f"innermost dim must be contiguous, got strides {t.stride()}")
 
 
+def check_gqa(hq: int, hkv: int) -> None:
+    """Grouped-query attention: query head ``h`` reads KV head ``h // (hq // hkv)``."""
+    if hq % hkv:
+        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
+
+
+def check_table(req_to_token: torch.Tensor) -> None:
+    """The kernels index a slot-table row as ``row * stride(0) + position``."""
+    if req_to_token.stride(1) != 1:
+        raise ValueError("req_to_token rows must be contiguous")
+
+
 def pow2(n: int, least: int = 1) -> int:
     return max(least, triton.next_power_of_2(max(1, int(n))))
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import check_device, check_rows, num_sms, pow2
+from .triton_common import check_device, check_gqa, check_rows, check_table, num_sms, pow2
 
 LOG2E = 1.4426950408889634
 
@@ -162,12 +162,10 @@ def _launch(q, k_cache, v_cache, req_to_token, req_rows, idx, valid, seq_lens, p
             n_total, scale, num_splits, block_n):
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
-    if hq % hkv:
-        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
+    check_gqa(hq, hkv)
     check_rows(q, k_cache, v_cache)
     check_device(req_to_token, req_rows, idx)
-    if req_to_token.stride(1) != 1:
-        raise ValueError("req_to_token rows must be contiguous")
+    check_table(req_to_token)
     out = torch.empty_like(q)
     if b == 0 or hq == 0:
         return out

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .quant import FP8_DTYPE
-from .triton_common import check_device, check_rows, num_sms, pow2
+from .triton_common import check_device, check_gqa, check_rows, check_table, num_sms, pow2
 from .triton_decode import _attend_tile, _store_head, merge_splits, split_buffers
 
 LOG2E = 1.4426950408889634
@@ -73,8 +73,7 @@ def fp8_decode_attention(q, k8, v8, k_scale, v_scale, req_to_token, req_rows, se
     No host sync: CUDA-graph safe."""
     b, hq, d = q.shape
     hkv = k8.shape[1]
-    if hq % hkv:
-        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
+    check_gqa(hq, hkv)
     if k8.dtype != FP8_DTYPE or v8.dtype != FP8_DTYPE:
         raise ValueError(f"k8/v8 must be {FP8_DTYPE}, got {k8.dtype} / {v8.dtype}")
     if k8.shape[1:] != (hkv, d) or v8.shape[1:] != (hkv, d):
@@ -83,8 +82,7 @@ def fp8_decode_attention(q, k8, v8, k_scale, v_scale, req_to_token, req_rows, se
     s_vsc = _scale_stride(v_scale, hkv, "v_scale")
     check_rows(q, k8, v8)
     check_device(k_scale, v_scale, req_to_token, req_rows, seq_lens)
-    if req_to_token.stride(1) != 1:
-        raise ValueError("req_to_token rows must be contiguous")
+    check_table(req_to_token)
     out = torch.empty_like(q)
     if b == 0 or hq == 0:
         return out

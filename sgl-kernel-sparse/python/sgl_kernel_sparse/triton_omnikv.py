@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import check_device, check_rows, pow2
+from .triton_common import check_device, check_gqa, check_rows, check_table, pow2
 from .triton_decode import LOG2E, _attend_tile, _store_head, merge_splits, plan_splits, split_buffers
 
 
@@ -94,12 +94,10 @@ def token_logits(q, k_cache, req_to_token, req_rows, seq_lens, scale=None, block
     """Triton version of ``reference.token_logits``: fp32 ``[B, Hq, L]``."""
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
-    if hq % hkv:
-        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
+    check_gqa(hq, hkv)
     check_rows(q, k_cache)
     check_device(req_to_token, req_rows, seq_lens)
-    if req_to_token.stride(1) != 1:
-        raise ValueError("req_to_token rows must be contiguous")
+    check_table(req_to_token)
     width = req_to_token.shape[1]
     out = torch.empty(b, hq, width, dtype=torch.float32, device=q.device)
     if b == 0 or width == 0:
@@ -120,14 +118,12 @@ def rows_tail_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, sel_
     replays it whatever the tails are."""
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
-    if hq % hkv:
-        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
+    check_gqa(hq, hkv)
     if sel_rows.dim() != 2 or sel_rows.shape[0] != b or sel_rows.stride(1) != 1:
         raise ValueError(f"sel_rows must be [B, N] with contiguous rows, got {tuple(sel_rows.shape)}")
     check_rows(q, k_cache, v_cache)
     check_device(req_to_token, req_rows, sel_rows, tail_start, seq_lens)
-    if req_to_token.stride(1) != 1:
-        raise ValueError("req_to_token rows must be contiguous")
+    check_table(req_to_token)
     out = torch.empty_like(q)
     if b == 0 or hq == 0:
         return out

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import check_device, check_rows, pow2
+from .triton_common import check_device, check_gqa, check_rows, check_table, pow2
 
 
 @triton.jit
@@ -65,8 +65,7 @@ def quest_page_scores(q, kmin, kmax, n_pages, summary_rows=None, block_p=None):
     """Triton version of ``reference.quest_page_scores``: fp32 ``[B, Hq, P]``."""
     b, hq, d = q.shape
     p_max, hkv = kmin.shape[1], kmin.shape[2]
-    if hq % hkv:
-        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
+    check_gqa(hq, hkv)
     if summary_rows is None:
         summary_rows = torch.arange(b, device=q.device)
     check_rows(q, kmin, kmax)
@@ -91,10 +90,8 @@ def quest_page_scores_paged(q, kmin, kmax, req_to_token, req_rows, n_pages, page
     ``P = ceil(req_to_token.shape[1] / page)``. No host sync (CUDA-graph safe)."""
     b, hq, d = q.shape
     hkv = kmin.shape[1]
-    if hq % hkv:
-        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
-    if req_to_token.stride(1) != 1:
-        raise ValueError("req_to_token rows must be contiguous")
+    check_gqa(hq, hkv)
+    check_table(req_to_token)
     check_device(req_to_token, req_rows, n_pages)
     p_max = -(-req_to_token.shape[1] // page)
     out = torch.empty(b, hq, p_max, dtype=torch.float32, device=q.device)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import check_device, check_rows, pow2
+from .triton_common import check_device, check_gqa, check_rows, pow2
 
 LOG2E = 1.4426950408889634
 
@@ -120,8 +120,7 @@ def snapkv_window_scores(q_win, k, scale=None, slots=None, block_l=None):
     w, hq, d = q_win.shape
     hkv = k.shape[1]
     length = slots.shape[0] if slots is not None else k.shape[0]
-    if hq % hkv:
-        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
+    check_gqa(hq, hkv)
     if not 0 < w <= length:
         raise ValueError(f"need 0 < W <= L, got W={w}, L={length}")
     if q_win.dtype != k.dtype:
