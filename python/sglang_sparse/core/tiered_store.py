@@ -131,18 +131,19 @@ class ClusterCache:
         self.bytes_used += k.nbytes + v.nbytes
         return k, v
 
-    def _pop_oldest(self) -> None:
-        _, (k, v) = self.entries.popitem(last=False)
+    def _forget(self, key: tuple) -> None:
+        k, v = self.entries.pop(key)
         self.rows_used -= k.shape[0]
         self.bytes_used -= k.nbytes + v.nbytes
+
+    def _pop_oldest(self) -> None:
+        self._forget(next(iter(self.entries)))
         self.evictions += 1
 
     def drop(self, rid: str) -> None:
         """Forget a request's clusters (not counted as evictions)."""
         for key in [key for key in self.entries if key[0] == rid]:
-            k, v = self.entries.pop(key)
-            self.rows_used -= k.shape[0]
-            self.bytes_used -= k.nbytes + v.nbytes
+            self._forget(key)
 
     def stats(self) -> dict:
         return {"hits": self.hits, "misses": self.misses, "evictions": self.evictions,
