@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 [ -f .gpu/env.sh ] || bash ../shared/gpu/build.sh
-src=$(.venv/bin/python -c "from sglang_sparse.default_model import ensure_default_model as e; print(e())")
+src=$(.venv/bin/python -c "from sglang_sparse.default_model import ensure_default_model as e; print(e())" | tail -1)  # the first call also reports the conversion
 mkdir -p .gpumodel/smollm2-135m
 for f in config.json generation_config.json tokenizer.json tokenizer_config.json chat_template.jinja; do
   cp "$src/$f" .gpumodel/smollm2-135m/
