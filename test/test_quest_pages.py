@@ -83,7 +83,7 @@ def test_decode_selection_and_attention_replay_from_a_cuda_graph():
 
     def step():
         kk = k_cache[slot_buf]
-        quest_pages.add_keys(kmin, kmax, kk, slot_buf, PAGE)
+        quest_pages.add_decode_keys(kmin, kmax, kk, slot_buf, PAGE)  # the server's decode path
         scores = quest_pages.page_scores(q_buf, kmin, kmax, table, rows, n_buf, PAGE)
         pages = quest_pages.top_pages(scores, 3)
         return decode_over_pages(q_buf, k_cache, v_cache, table, rows, pages, n_buf, PAGE, 1 / D ** 0.5)
@@ -126,3 +126,28 @@ def test_page_scores_kernel_on_cuda_equals_the_torch_path():
     want = quest_pages.page_scores(q, kmin, kmax, table, rows, n_rows, PAGE)  # torch path (CPU)
     got = quest_pages.page_scores(*(x.cuda() for x in (q, kmin, kmax, table, rows, n_rows)), PAGE)
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_decode_fold_and_selection_kernels_on_cuda_equal_the_reference_at_quest_shapes():
+    """The decode step's own kernels at 128K-context shapes (8,704 row-pages, 128 kept, 4
+    requests x 32 query heads): one-launch summary fold == the scatter, one-program-per-row
+    selection == the stable sort (same indices, ties to the lower page), a short request's -1s."""
+    g = torch.Generator().manual_seed(9)
+    scores = torch.randn(4, 32, 8704, generator=g)
+    scores[1, :, 900:] = float("-inf")  # a request with 900 pages
+    scores[2, :, :64] = 3.0  # ties across the cut
+    scores[3, :, 5:] = float("-inf")  # fewer pages than kept
+    want = quest_pages.top_pages(scores, 128)  # CPU: the stable sort
+    got = quest_pages.top_pages(scores.cuda(), 128)
+    assert torch.equal(got.cpu(), want)
+    kmin = torch.randn(600, 8, 128, generator=g).bfloat16()
+    kmax = kmin + 1
+    slots = torch.tensor([16 * 7, 16 * 9 + 5, 16 * 300 + 15, 16 * 41])
+    k = torch.randn(4, 8, 128, generator=g).bfloat16()
+    ref = (kmin.clone(), kmax.clone())
+    quest_pages.add_keys(*ref, k, slots, 16)
+    dev = (kmin.cuda(), kmax.cuda())
+    quest_pages.add_decode_keys(*dev, k.cuda(), slots.cuda(), 16)
+    pages = slots // 16
+    assert torch.equal(dev[0].cpu()[pages], ref[0][pages]) and torch.equal(dev[1].cpu()[pages], ref[1][pages])

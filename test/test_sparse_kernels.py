@@ -262,12 +262,14 @@ from interpreter_cases import Unsupported, report, results_of, run_cases  # noqa
 def case_interpreter_active(T):
     from triton.runtime.interpreter import InterpretedFunction
 
-    from sgl_kernel_sparse import triton_cells, triton_compact, triton_decode, triton_omnikv, triton_quest, triton_snapkv
+    from sgl_kernel_sparse import (triton_cells, triton_compact, triton_decode, triton_omnikv, triton_quest,
+                                   triton_select, triton_snapkv)
 
     kernels = [triton_decode._decode_partial_kernel, triton_decode._decode_reduce_kernel,
                triton_cells._cells_partial_kernel, triton_omnikv._rows_tail_partial_kernel,
                triton_omnikv._token_logits_kernel,
-               triton_quest._quest_scores_kernel,
+               triton_quest._quest_scores_kernel, triton_quest._fold_decode_keys_kernel,
+               triton_select._select_top_kernel,
                triton_snapkv._snapkv_lse_kernel, triton_snapkv._snapkv_score_kernel,
                triton_compact._copy_rows_kernel]
     assert all(isinstance(k, InterpretedFunction) for k in kernels), "kernels are not interpreted"
@@ -515,6 +517,47 @@ def case_quest_scores_paged_physical_pages(T):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def case_select_top_equals_the_stable_sort(T):
+    """One program per row: the same indices as the reference's stable sort, ties to the lower
+    index, -inf never taken (-1 padding at the end), negative and positive scores, rows longer
+    than one power of two, k equal to the row."""
+    g = torch.Generator().manual_seed(71)
+    for rows, p, k in ((5, 37, 8), (3, 300, 30), (2, 16, 16), (4, 1030, 129)):
+        s = torch.randn(rows, p, generator=g)
+        s[0, ::3] = 0.25  # a block of ties
+        s[1, p // 2:] = float("-inf")  # a short request: fewer finite pages than k on some rows
+        s[-1] = s[-1].round()  # many ties around the threshold
+        s[2 % rows, :] = -s[2 % rows, :].abs()  # all negative
+        want = R.quest_select_pages(s.view(1, rows, p), k).long()[0]
+        got = T.select_top(s, k)
+        assert torch.equal(got, want), (p, k, got, want)
+    s = torch.full((2, 3, 50), float("-inf"))
+    s[1, 2, 7] = -5.0
+    got = T.select_top(s, 4)
+    assert got.shape == (2, 3, 4) and got[1, 2].tolist() == [7, -1, -1, -1] and (got[0] == -1).all()
+
+
+def case_fold_decode_keys_equals_the_scatter(T):
+    """Decode (one token per request, each in its own page): summaries equal the reference's,
+    a page's first slot starts it afresh, continued pages keep their min/max; bf16 and fp32."""
+    g = torch.Generator().manual_seed(72)
+    page, hkv, d, n_pages = 4, 3, 24, 12
+    for dt in (torch.float32, torch.bfloat16):
+        kmin = torch.randn(n_pages, hkv, d, generator=g).to(dt)
+        kmax = kmin + 1
+        want_min, want_max = kmin.clone(), kmax.clone()
+        slots = torch.tensor([9 * page, 3 * page + 2, 5 * page + 1, 7 * page + 3])  # fresh + continued
+        k = torch.randn(4, hkv, d, generator=g).to(dt)
+        R.quest_fold_keys(want_min, want_max, k, slots, page)
+        T.quest_fold_decode_keys(kmin, kmax, k, slots, page)
+        pages = slots // page  # page 0 (the padding page) is reset by the reference only
+        assert torch.equal(kmin[pages], want_min[pages]) and torch.equal(kmax[pages], want_max[pages])
+        rest = torch.ones(n_pages, dtype=torch.bool)
+        rest[pages] = False
+        rest[0] = False
+        assert torch.equal(kmin[rest], want_min[rest]) and torch.equal(kmax[rest], want_max[rest])
+
+
 def case_compact_disjoint_fast_path(T):
     g = torch.Generator().manual_seed(52)
     k, v = pool(100, 2, 16, torch.float16, g)
@@ -634,7 +677,8 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     kernels = {r["kernel"] for r in json.loads(report.read_text())}
     assert kernels == {"_decode_partial_kernel", "_decode_reduce_kernel", "_rows_tail_partial_kernel",
                        "_token_logits_kernel",
-                       "_quest_scores_kernel", "_snapkv_lse_kernel", "_snapkv_score_kernel",
+                       "_quest_scores_kernel", "_fold_decode_keys_kernel", "_select_top_kernel",
+                       "_snapkv_lse_kernel", "_snapkv_score_kernel",
                        "_copy_rows_kernel"}
 
 

@@ -95,9 +95,11 @@ def main() -> None:
         logits = token_logits(q, k_cache, table, req, n_rows, 0.088)
         sel = select_from_logits(logits, prompt_rows, args.budget)
         stages = {
-            "add_keys": lambda: quest_pages.add_keys(kmin, kmax, knew, slot, PAGE),
+            "add_keys": lambda: quest_pages.add_decode_keys(kmin, kmax, knew, slot, PAGE),
+            "add_keys_scatter": lambda: quest_pages.add_keys(kmin, kmax, knew, slot, PAGE),  # before
             "page_scores": lambda: quest_pages.page_scores(q, kmin, kmax, table, req, n_rows, PAGE),
             "top_pages": lambda: quest_pages.top_pages(scores, n_sel),
+            "top_pages_torch_topk": lambda: scores.topk(n_sel, dim=-1),  # what Quest used before
             "paged_attention": lambda: decode_over_pages(q, k_cache, v_cache, table, req, picked, n_rows, PAGE, 0.088),
             "all_pages_attention": lambda: decode_over_pages(q, k_cache, v_cache, table, req, all_pages, n_rows, PAGE, 0.088),
             "omnikv_token_logits": lambda: token_logits(q, k_cache, table, req, n_rows, 0.088),

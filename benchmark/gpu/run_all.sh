@@ -18,6 +18,7 @@
 #   matched   8B shape, 32K: plain SGLang vs dense vs Quest(2048) at batch 1 2 4 8       ~8 min
 #   matched128k-dense   8B shape, 128K, batch 1 2 4: dense tuned over 32 / 64 kv splits  ~9 min
 #   matched128k-sparse  the same prompts: Quest(2048) and OmniKV(2048)                   ~9 min
+#   matched128k-quest   the same, dense and Quest(2048) in one call, both at 64 kv splits   ~9 min
 #   (each 128K server prefills 4 prompts, ~45 s each, so two servers fill one call)
 # One call holds at most 10 minutes: give stages whose times add up to well under that, e.g.
 #   bash benchmark/gpu/run_all.sh tests-kernels tests-kivi
@@ -73,6 +74,10 @@ for stage in "$@"; do
       python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 131072 --output-len 64 \
         --batches 1 2 4 --pool 540672 --methods quest omnikv --tune \
         --out long_matched_128k_sparse.json -- --cuda-graph-bs-decode 1 2 4 2>&1 | tee "$OUT/$stage.txt" ;;
+    matched128k-quest)  # one run: dense and Quest side by side, the same splits for both
+      python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 131072 --output-len 64 \
+        --batches 1 2 4 --pool 540672 --methods dense quest --tune dense quest --kv-splits 64 \
+        --out long_matched_128k_quest.json -- --cuda-graph-bs-decode 1 2 4 2>&1 | tee "$OUT/$stage.txt" ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "=== $stage took $((SECONDS - start)) s"

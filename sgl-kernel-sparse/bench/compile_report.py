@@ -129,6 +129,10 @@ def _exercise(dtypes) -> None:
         for splits in (1, 4):
             T.rows_tail_decode_attention(q, kc, kc, r2t, req, sel, req + 600, req + 700, num_splits=splits)
         T.token_logits(q, kc, r2t, req, req + 500)
+        pk = torch.zeros(slots // 16, hkv, d, dtype=dt)
+        T.quest_fold_decode_keys(pk, pk, torch.zeros(b, hkv, d, dtype=dt), req.long() * 16, 16)
+    for p in (1024, 8704):  # Quest's pages at 16K and 136K tokens of context, 128 kept
+        T.select_top(torch.zeros(b, hq, p), 128)
     if torch.float16 in dtypes:  # fp32 summaries, fp16 queries
         kmin = torch.zeros(b, 64, hkv, d, dtype=torch.float32)
         T.quest_page_scores(torch.zeros(b, hq, d, dtype=torch.float16), kmin, kmin, req + 10)

@@ -104,8 +104,12 @@ class SparseController:
 
     def decode_view_tensors(self, batch: DecodeBatch) -> PagedDecodeView | None:
         """Decode layers of ``graph_decode`` methods (also while a CUDA graph is captured). The
-        counter grows only when Python runs: eager steps and capture, never a graph replay."""
-        self.runtime.bump("decode_layer_python_calls")
+        counter grows only when Python runs: eager steps and capture, never a graph replay. While
+        torch.compile traces the decode forward (``--enable-torch-compile``) it is not bumped: a
+        traced read-modify-write of a Python int would be guarded on its value and recompiled at
+        every call, also during the CUDA-graph capture."""
+        if not torch.compiler.is_compiling():
+            self.runtime.bump("decode_layer_python_calls")
         return self.runtime.decode_view_tensors(batch)
 
     def attention_done(self, layer: LayerInput, out: torch.Tensor) -> None:

@@ -22,18 +22,17 @@ def new_summaries(num_slots: int, page: int, kv_heads: int, head_dim: int, dtype
 
 
 def add_keys(kmin: torch.Tensor, kmax: torch.Tensor, k: torch.Tensor, slots: torch.Tensor, page: int) -> None:
-    """Fold keys ``k`` ``[T, H_kv, d]`` just written at ``slots`` ``[T]`` into their pages.
+    """Fold keys ``k`` ``[T, H_kv, d]`` just written at ``slots`` ``[T]`` into their pages (any
+    number of tokens per page: prefill chunks). A page whose first slot is written here was just
+    allocated: its old summary (a released request's) is dropped first. Pages are filled in slot
+    order by their owner, so a continued page keeps its running min/max."""
+    sgl_kernel_sparse.reference.quest_fold_keys(kmin, kmax, k, slots, page)
 
-    A page whose first slot is written here was just allocated: its old summary (a released
-    request's) is dropped first. Pages are filled in slot order by their owner, so a page that is
-    continued (first slot written in an earlier step) keeps its running min/max."""
-    pid = slots.long() // page
-    fresh = torch.where(slots.long() % page == 0, pid, 0)  # non-fresh tokens reset page 0 (padding)
-    kmin.index_fill_(0, fresh, float("inf"))
-    kmax.index_fill_(0, fresh, float("-inf"))
-    idx = pid.view(-1, 1, 1).expand(k.shape)
-    kmin.scatter_reduce_(0, idx, k.to(kmin.dtype), reduce="amin")
-    kmax.scatter_reduce_(0, idx, k.to(kmax.dtype), reduce="amax")
+
+def add_decode_keys(kmin, kmax, k, slots, page: int) -> None:
+    """``add_keys`` for a decode step (one new token per request, each in its own page): one
+    Triton launch on CUDA."""
+    sgl_kernel_sparse.quest_fold_decode_keys(kmin, kmax, k, slots, page)
 
 
 def page_scores(q, kmin, kmax, table, req_rows, n_rows, page: int) -> torch.Tensor:
@@ -59,7 +58,7 @@ def page_scores(q, kmin, kmax, table, req_rows, n_rows, page: int) -> torch.Tens
 
 
 def top_pages(scores: torch.Tensor, n_sel: int) -> torch.Tensor:
-    """Top ``n_sel`` row-pages per (request, head), ``-1`` where fewer pages exist. int64
-    ``[B, H_q, n_sel]``, unordered (attention does not care)."""
-    vals, idx = scores.topk(min(n_sel, scores.shape[-1]), dim=-1)
-    return torch.where(vals > float("-inf"), idx, -1)
+    """Top ``n_sel`` row-pages per (request, head): int64 ``[B, H_q, min(n_sel, P)]``, ascending,
+    ties to the lower page, ``-1`` padding at the end where fewer pages exist (one Triton program
+    per row on CUDA, ``sgl_kernel_sparse.triton_select``)."""
+    return sgl_kernel_sparse.quest_select_pages(scores, int(n_sel))

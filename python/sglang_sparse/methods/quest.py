@@ -86,7 +86,7 @@ class QuestRuntime(SparseMethodRuntime):
         ps = self.config.page_size
         self.q_heads = batch.q.shape[1]
         kmin, kmax = self._pages(batch.layer_id, batch.k_cache)
-        quest_pages.add_keys(kmin, kmax, batch.k, batch.slots, ps)
+        quest_pages.add_decode_keys(kmin, kmax, batch.k, batch.slots, ps)
         scores = quest_pages.page_scores(batch.q, kmin, kmax, batch.table, batch.req_rows, batch.n_rows, ps)
         return PagedDecodeView(quest_pages.top_pages(scores, self.config.pages_per_head), ps, batch.n_rows)
 

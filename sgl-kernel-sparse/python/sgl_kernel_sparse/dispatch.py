@@ -4,7 +4,6 @@ Extra keyword arguments (``num_splits``, ``block_n``, ``max_pages``, ...) go to 
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -12,20 +11,25 @@ import torch
 from . import reference
 
 
-@functools.lru_cache(maxsize=1)
+_TRITON: list = []  # [module or None] once loaded (a plain list: torch.compile traces reads of it)
+
+
 def _triton_ops():
-    try:
-        from . import triton_ops
-    except ImportError:  # triton is optional
-        return None
-    return triton_ops
+    if not _TRITON:
+        try:
+            from . import triton_ops
+        except ImportError:  # triton is optional
+            triton_ops = None
+        _TRITON.append(triton_ops)
+    return _TRITON[0]
 
 
 def use_triton(*args) -> bool:
     if os.environ.get("SGL_KERNEL_SPARSE_BACKEND", "") == "reference":
         return False
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    return bool(tensors) and all(t.is_cuda for t in tensors) and _triton_ops() is not None
+    # len(), not bool(list): torch.compile traces this inside the decode forward
+    return len(tensors) > 0 and all(t.is_cuda for t in tensors) and _triton_ops() is not None
 
 
 def _pick(name, args, kwargs):
@@ -45,6 +49,7 @@ _REF_KWARGS = {
     "quest_page_scores_paged": (),
     "snapkv_window_scores": ("scale", "slots"),
     "compact_kv": (),
+    "quest_fold_decode_keys": (),
 }
 
 
@@ -108,7 +113,20 @@ def snapkv_keep_indices(q_win, k, budget, window, kernel, scale=None, slots=None
                                          window_scores=snapkv_window_scores)
 
 
-# Selection stays in torch on every device (stable sorts: ties -> lower index).
-quest_select_pages = reference.quest_select_pages
+def quest_select_pages(scores, n_sel):
+    """``reference.quest_select_pages`` as int64: one Triton program per row for CUDA scores and
+    an int ``n_sel`` (``triton_select``: same indices, same tie rule), the stable sort otherwise."""
+    if isinstance(n_sel, int) and use_triton(scores):
+        return _triton_ops().select_top(scores, n_sel)
+    return reference.quest_select_pages(scores, n_sel).long()
+
+
+def quest_fold_decode_keys(kmin, kmax, k, slots, page):
+    """``reference.quest_fold_keys`` for decode steps (every token in its own page): one Triton
+    launch on CUDA (``triton_quest.quest_fold_decode_keys``), the reference scatter elsewhere."""
+    return _pick("quest_fold_decode_keys", (kmin, kmax, k, slots, page), {})
+
+
+# Other selections stay in torch on every device (stable sorts: ties -> lower index).
 snapkv_select = reference.snapkv_select
 stable_topk = reference.stable_topk

@@ -192,6 +192,24 @@ def quest_page_summaries(k, page):
     return lo.amin(dim=1), hi.amax(dim=1)
 
 
+def quest_fold_keys(kmin, kmax, k, slots, page):
+    """Fold keys ``k [T, Hkv, D]`` just written at pool ``slots [T]`` into the running summaries
+    of their physical pages (``kmin``/``kmax [N_pages, Hkv, D]``, page = slot // page), in place.
+    A page whose first slot is among ``slots`` was just allocated: its old summary (a released
+    request's) is dropped first. Pages fill in slot order, so a continued page keeps its min/max.
+    Tokens that start no page reset page 0 instead (the pool's padding page, never read)."""
+    pid = slots.long() // page
+    fresh = torch.where(slots.long() % page == 0, pid, 0)
+    kmin.index_fill_(0, fresh, float("inf"))
+    kmax.index_fill_(0, fresh, float("-inf"))
+    idx = pid.view(-1, 1, 1).expand(k.shape)
+    kmin.scatter_reduce_(0, idx, k.to(kmin.dtype), reduce="amin")
+    kmax.scatter_reduce_(0, idx, k.to(kmax.dtype), reduce="amax")
+
+
+quest_fold_decode_keys = quest_fold_keys  # the Triton version's name (decode: one token per page)
+
+
 def quest_page_scores(q, kmin, kmax, n_pages, summary_rows=None):
     """Quest upper bound ``sum_c max(q_c*M_c, q_c*m_c)`` per (request, query head, page).
 

@@ -51,7 +51,7 @@ def _cells_partial_kernel(
     row = REQ_TO_TOKEN + req * s_rt
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    q = tl.load(Q + b * s_qb + h * s_qh + d, mask=dmask, other=0.0).to(tl.float32) * qk_scale
+    q = (tl.load(Q + b * s_qb + h * s_qh + d, mask=dmask, other=0.0).to(tl.float32) * qk_scale).to(tl.float32)
 
     m_i = -float("inf")
     l_i = 0.0

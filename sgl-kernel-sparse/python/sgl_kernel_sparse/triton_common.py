@@ -48,7 +48,13 @@ def pow2(n: int, least: int = 1) -> int:
     return max(least, triton.next_power_of_2(max(1, int(n))))
 
 
+_SMS: dict = {}  # device index -> SM count, read once (no device query inside a traced forward)
+
+
 def num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # interpreter: few programs keep it fast
+    if device.type != "cuda":
+        return 4  # interpreter: few programs keep it fast
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]

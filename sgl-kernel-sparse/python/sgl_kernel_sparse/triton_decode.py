@@ -74,7 +74,7 @@ def _decode_partial_kernel(
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     # qk_scale = softmax scale * log2(e): logits are in base 2, exp2 below
-    q = tl.load(Q + b * s_qb + h * s_qh + d, mask=dmask, other=0.0).to(tl.float32) * qk_scale
+    q = (tl.load(Q + b * s_qb + h * s_qh + d, mask=dmask, other=0.0).to(tl.float32) * qk_scale).to(tl.float32)
     if PAGED:
         seq_len = tl.load(SEQ_LENS + b)
 

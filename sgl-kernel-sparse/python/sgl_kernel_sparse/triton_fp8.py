@@ -40,7 +40,7 @@ def _fp8_decode_kernel(
     k_sc = tl.load(K_SCALE + kvh * s_ksc)
     v_sc = tl.load(V_SCALE + kvh * s_vsc)
     # base-2 logits: q * (softmax scale * log2 e) * the head's key scale
-    q = tl.load(Q + b * s_qb + h * s_qh + d, mask=dmask, other=0.0).to(tl.float32) * qk_scale * k_sc
+    q = (tl.load(Q + b * s_qb + h * s_qh + d, mask=dmask, other=0.0).to(tl.float32) * qk_scale).to(tl.float32) * k_sc
 
     seq_len = tl.load(SEQ_LENS + b).to(tl.int32)
     chunk = tl.cdiv(tl.cdiv(seq_len, n_split), BLOCK_N) * BLOCK_N

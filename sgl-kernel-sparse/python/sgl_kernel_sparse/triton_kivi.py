@@ -71,8 +71,8 @@ def _kivi_decode_kernel(
     hmask = hh < GROUP
     heads = kvh * GROUP + hh
     # qk_scale = softmax scale * log2(e): logits are in base 2, exp2 below
-    q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + d[None, :], mask=hmask[:, None] & dmask[None, :],
-                other=0.0).to(tl.float32) * qk_scale  # [BLOCK_H, BLOCK_D]
+    q = (tl.load(Q + b * s_qb + heads[:, None] * s_qh + d[None, :], mask=hmask[:, None] & dmask[None, :],
+                other=0.0).to(tl.float32) * qk_scale).to(tl.float32)  # [BLOCK_H, BLOCK_D]
     DT = Q.dtype.element_ty if DOT16 else tl.float32  # dot operands (accumulation is fp32)
     qd = q.to(DT)
     jb = tl.arange(0, BLOCK_D // (8 // BITS))  # byte column of a packed row

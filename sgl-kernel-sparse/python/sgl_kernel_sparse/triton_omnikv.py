@@ -48,7 +48,7 @@ def _token_logits_kernel(
                 other=0.0).to(tl.float32)
     for j in tl.static_range(GROUP):
         h = g * GROUP + j
-        q = tl.load(Q + b * s_qb + h * s_qh + d, mask=dmask, other=0.0).to(tl.float32) * scale
+        q = (tl.load(Q + b * s_qb + h * s_qh + d, mask=dmask, other=0.0).to(tl.float32) * scale).to(tl.float32)
         logit = tl.where(ok, tl.sum(k * q[None, :], axis=1), -float("inf"))
         tl.store(OUT + (b * hq + h).to(tl.int64) * L + pos, logit, mask=inside)
 
@@ -73,7 +73,7 @@ def _rows_tail_partial_kernel(
     stop = tl.minimum(start + share, total)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    q = tl.load(Q + b * s_qb + h * s_qh + d, mask=dmask, other=0.0).to(tl.float32) * qk_scale
+    q = (tl.load(Q + b * s_qb + h * s_qh + d, mask=dmask, other=0.0).to(tl.float32) * qk_scale).to(tl.float32)
     m_i = -float("inf")
     l_i = 0.0
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)

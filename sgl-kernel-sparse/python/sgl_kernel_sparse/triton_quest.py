@@ -107,3 +107,39 @@ def quest_page_scores_paged(q, kmin, kmax, req_to_token, req_rows, n_pages, page
         GROUP=hq // hkv, D=d, BLOCK_D=block_d, BLOCK_P=block_p, PAGE=int(page), PAGED=True, num_warps=4,
     )
     return out
+
+
+@triton.jit
+def _fold_decode_keys_kernel(K, SLOTS, KMIN, KMAX, s_kt, s_kh, s_mp, s_mh, H, D: tl.constexpr,
+                             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr):
+    """Program t: token t's key ``[H, D]`` into the summary of its physical page ``slot // PAGE``;
+    the page's first slot starts a fresh summary (the page was just allocated)."""
+    t = tl.program_id(0)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    page = slot // PAGE
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    m = (h[:, None] < H) & (d[None, :] < D)
+    k = tl.load(K + t * s_kt + h[:, None] * s_kh + d[None, :], mask=m).to(KMIN.dtype.element_ty)
+    off = page * s_mp + h[:, None] * s_mh + d[None, :]
+    fresh = (slot % PAGE) == 0
+    mn = tl.load(KMIN + off, mask=m)
+    mx = tl.load(KMAX + off, mask=m)
+    tl.store(KMIN + off, tl.where(fresh, k, tl.minimum(mn, k)), mask=m)
+    tl.store(KMAX + off, tl.where(fresh, k, tl.maximum(mx, k)), mask=m)
+
+
+def quest_fold_decode_keys(kmin, kmax, k, slots, page):
+    """Triton version of ``reference.quest_fold_keys`` for decode: one launch, every token of
+    ``k [T, Hkv, D]`` in a *different* page (one new token per request; padded entries may all
+    write slot 0, whose page nobody reads). Prefill chunks, with many tokens per page, take the
+    reference (scatter) path."""
+    check_rows(kmin, kmax, k)
+    check_device(slots)
+    t, hkv, d = k.shape
+    if t == 0:
+        return
+    _fold_decode_keys_kernel[(t,)](
+        k, slots, kmin, kmax, k.stride(0), k.stride(1), kmin.stride(0), kmin.stride(1), hkv, D=d,
+        BLOCK_H=pow2(hkv), BLOCK_D=pow2(d, 16), PAGE=int(page), num_warps=4,
+    )
