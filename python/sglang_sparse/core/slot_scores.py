@@ -31,12 +31,15 @@ class SlotScores:
         self.store = store
         k0 = store.k_buffer(0)
         self.t = torch.zeros(store.num_layers, k0.shape[0], kv_heads, dtype=torch.float32, device=k0.device)
+        self.group = 1  # query heads per KV head (GQA), known from the first queries
 
     def add_chunk(self, layer: int, q: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor | None = None) -> None:
         """Eager (prefill and mixed steps): a request's ``T`` queries ``q [T, Hq, d]`` of this
         step, whose rows are the last T of its resident ``slots [n]`` (row order), add their
-        causal attention over rows ``[0, n)`` (optionally weighted per query)."""
+        causal attention over rows ``[0, n)``, summed over each KV head's query heads
+        (optionally weighted per query)."""
         n, t = slots.numel(), q.shape[0]
+        self.group = q.shape[1] // self.t.shape[2]
         scores = self.t[layer]
         scores[slots[n - t:]] = 0.0  # new rows start at zero
         rows = torch.arange(n - t, n, device=q.device)  # rows of this step's queries
@@ -60,6 +63,7 @@ class SlotScores:
         logits = token_logits(batch.q, batch.k_cache, table, req_rows, batch.n_rows)  # [B, Hq, W], -inf past n_rows
         b, hq, w = logits.shape
         hkv = scores.shape[1]
+        self.group = hq // hkv
         probs = logits.softmax(dim=-1).view(b, hkv, hq // hkv, w).sum(dim=2)  # [B, Hkv, W]
         live = (batch.slots != 0).to(probs.dtype)
         if weight is not None:

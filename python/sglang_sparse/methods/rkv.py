@@ -23,8 +23,8 @@ move, so this equals attending the buffered queries (causally) at eviction time.
 slot (``core.slot_scores``), zeroed after each eviction; decode is tensor-only (``graph_decode``,
 inside SGLang's decode CUDA graphs, attention by SGLang's own kernel over the retained rows).
 A Chain Cache continuation resumes the slots with what they accumulated. Importance is the sum
-divided by ``window`` (a buffer that got fewer queries, e.g. a prompt shorter than the window,
-weighs less against redundancy).
+over the buffer and the group divided by ``window * group`` (a buffer that got fewer queries,
+e.g. a prompt shorter than the window, weighs less against redundancy).
 
 Simplified from the R-KV reference code: its similarity threshold / "retain the last similar
 token" refinement of the redundancy is not applied; softmax scale ``1/sqrt(d)``.
@@ -114,7 +114,7 @@ class RKVRuntime(EvictingRuntime):
         if ret.n_rows <= c.budget:
             return None
         slots = self.cache.resident_slots(rid)  # [n]: row i of every layer and head lives in slots[i]
-        importance = self.scores.rows(slots) / c.window  # [layers, Hkv, n]
+        importance = self.scores.rows(slots) / (c.window * self.scores.group)  # mean over buffer and group
         held = ret.all_positions()  # [layers, Hkv, n] logical position of each row
         keep = []
         for layer in range(self.cache.store.num_layers):

@@ -145,7 +145,8 @@ def rkv_simulate(q, k, budget, window, interval, alpha, kernel, prompt_lens, chu
     """R-KV on one layer: the buffered queries are the last ``window`` before each eviction: a
     query at row r counts when ``r >= E - window``, E the rows at which the next eviction fires
     (the prompt's rows at its end when they exceed ``budget``, else ``budget + interval``);
-    importance = their summed attention / ``window``, reset after each eviction. Evicts at the end
+    importance = their attention summed over the buffer and the GQA group / ``(window * group)``,
+    reset after each eviction. Evicts at the end
     of a prompt over ``budget`` and whenever the rows reach ``budget + interval``. Returns the kept
     positions ``[Hkv, rows]``."""
     def weights_of(rows, step):
@@ -163,7 +164,8 @@ def rkv_simulate(q, k, budget, window, interval, alpha, kernel, prompt_lens, chu
             return None
         if over > 0 and (last_chunk or over >= interval):
             keys = k[held, h: h + 1].transpose(0, 1)  # [1, n, D]
-            keep = rkv_select((scores / window)[None], keys, budget, window, alpha, kernel)[0]
+            importance = scores / (window * (q.shape[1] // k.shape[1]))  # mean over buffer and group
+            keep = rkv_select(importance[None], keys, budget, window, alpha, kernel)[0]
             scores.zero_()  # the buffer starts over
             return keep
         return None
