@@ -69,10 +69,11 @@ class SlotScores:
         if weight is not None:
             live = live * weight.to(probs.dtype)
         probs = probs * live.view(b, 1, 1)
-        scores[batch.slots.long()] = 0.0  # this token's row starts at zero, then counts itself
+        scores.index_fill_(0, batch.slots.long(), 0.0)  # this token's row starts at zero, then counts itself
         slots = table[req_rows].long()  # [B, W]; entries past n_rows carry probability 0
         heads = torch.arange(hkv, device=scores.device).view(1, hkv, 1)
-        scores.index_put_((slots.unsqueeze(1).expand(b, hkv, w), heads.expand(b, hkv, w)), probs, accumulate=True)
+        flat = slots.unsqueeze(1) * hkv + heads  # [B, Hkv, W]: index into scores viewed as [S * Hkv]
+        scores.view(-1).scatter_add_(0, flat.reshape(-1), probs.reshape(-1))
 
     def rows(self, slots: torch.Tensor) -> torch.Tensor:
         """Scores of a request's rows ``[0, n)`` in row order: ``[layers, Hkv, n]`` (a copy)."""
