@@ -164,12 +164,14 @@ def test_rkv_keeps_its_buffer_and_ties_go_to_the_older_row():
     imp = torch.zeros(1, 10)
     keys = torch.ones(1, 10, 4)  # identical keys: equal redundancy, equal scores
     assert ref.rkv_select(imp, keys, 6, 2, 0.1, 3).tolist() == [[0, 1, 2, 3, 8, 9]]
-    keys = torch.randn(1, 10, 4)
-    keys[0, 3] = keys[0, 1] * 2  # rows 1 and 3 point the same way: both more redundant
-    got = ref.rkv_select(imp, keys, 9, 2, 0.0, 1)[0].tolist()  # alpha 0: redundancy alone
-    red = ref.rkv_redundancy(keys)[0, :8]
-    assert got[-2:] == [8, 9] and len(got) == 9
-    assert int(red.argmax()) not in got  # the most redundant candidate goes
+    keys = torch.eye(16)[:10].unsqueeze(0)  # orthogonal keys ...
+    keys[0, 3] = keys[0, 1] * 2  # ... but rows 1 and 3 point the same way: both most redundant
+    red = ref.rkv_redundancy(keys)[0]
+    assert red[1] == red[3] > red[0]
+    # alpha 0: redundancy alone; one of the tied copies goes, the later one (ties keep the older row)
+    assert ref.rkv_select(imp, keys, 9, 2, 0.0, 1).tolist() == [[0, 1, 2, 4, 5, 6, 7, 8, 9]]
+    imp[0, 3] = 1.0  # enough importance outweighs redundancy: now row 1 goes
+    assert ref.rkv_select(imp, keys, 9, 2, 0.5, 1).tolist() == [[0, 2, 3, 4, 5, 6, 7, 8, 9]]
 
 
 def test_gqa_scores_sum_the_groups_query_heads():

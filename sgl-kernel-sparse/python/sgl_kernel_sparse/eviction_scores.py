@@ -15,13 +15,15 @@ import torch.nn.functional as F
 from sgl_kernel_sparse.reference import _scale, stable_topk
 
 
-def attention_sums(q, keys, q_rows, scale=None, weights=None, block=512):
+def attention_sums(q, keys, q_rows, scale=None, weights=None, block=None):
     """``[Hkv, N]``: ``sum_i w_i sum_{h in group} A^h_{i,j}``, the causal softmax attention of
     queries ``q [S, Hq, D]`` over ``keys [N, Hkv, D]`` (query i sees rows ``<= q_rows[i]``),
     summed over the queries (weighted by ``weights [S]``, default 1) and over the query heads of
-    each GQA group. Queries go in blocks of ``block`` (memory ``block * Hq * N``)."""
+    each GQA group. Queries go in blocks of ``block`` (default: about 2^26 fp32 logits, 256 MB,
+    per block: memory ``block * Hq * N``)."""
     s, hq, d = q.shape
     n, hkv = keys.shape[0], keys.shape[1]
+    block = block or max(1, (1 << 26) // max(1, hq * n))
     k = keys.float().repeat_interleave(hq // hkv, dim=1)  # [N, Hq, D]
     cols = torch.arange(n, device=keys.device).view(1, -1)
     out = torch.zeros(hkv, n, dtype=torch.float32, device=keys.device)
