@@ -205,7 +205,8 @@ def test_padding_entries_of_a_captured_batch_add_nothing(method, knobs):
 
 @pytest.mark.parametrize("method,knobs,message", [
     ("h2o", {"recent": 0}, "recent=0 is out of range: must be >= 1"),
-    ("h2o", {"budget": 8, "recent": 8}, "budget=8 is out of range: must be >= 9"),
+    ("h2o", {"budget": 8, "recent": 8}, "budget=8 is out of range: must be > recent=8"),
+    ("h2o", {"budget": 256}, "budget=256 is out of range: must be > recent=512 .* lower --sparse-recent"),
     ("h2o", {"interval": 0}, "interval=0 is out of range: must be >= 1"),
     ("rkv", {"interval": 4, "window": 8}, "interval=4 is out of range: must be >= 8"),
     ("rkv", {"alpha": 1.5}, r"alpha=1.5 is out of range: must be in \[0, 1\]"),

@@ -118,7 +118,7 @@ def test_nothing_leaks_once_the_chains_are_gone(server):
 
 @pytest.mark.parametrize("flags,message", [
     (["--sparse-method", "h2o", "--sparse-budget", "16", "--sparse-recent", "16"],
-     "budget=16 is out of range: must be >= 17"),
+     "budget=16 is out of range: must be > recent=16"),
     (["--sparse-method", "rkv", "--sparse-alpha", "2"], "alpha=2.0 is out of range: must be in [0, 1]"),
 ])
 def test_a_bad_flag_is_refused_at_start(request, flags, message):

@@ -47,7 +47,7 @@ from sglang_sparse.core.eviction import EvictingRuntime
 from sglang_sparse.core.events import DecodeBatch, LayerInput, StepInfo
 from sglang_sparse.core.memory_oracle import MemoryOracle
 from sglang_sparse.core.slot_scores import SlotScores
-from sglang_sparse.registry import check_range, register_method
+from sglang_sparse.registry import ConfigError, check_range, register_method
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,9 @@ class H2OConfig:
 
     def validate(self) -> None:
         check_range("recent", self.recent, 1)
-        check_range("budget", self.budget, self.recent + 1)  # at least one heavy hitter
+        if self.budget <= self.recent:  # at least one heavy hitter
+            raise ConfigError(f"budget={self.budget} is out of range: must be > recent={self.recent} (the "
+                              "heavy hitters are budget - recent; lower --sparse-recent with the budget)")
         check_range("interval", self.interval, 1)
 
 
