@@ -107,6 +107,37 @@ def test_sparse_decode_with_cuda_graphs_gives_the_eager_tokens(model, request, f
         assert stats(eager)["counters"]["decode_layer_python_calls"] > 0
 
 
+ONLINE = {"h2o": ["--sparse-method", "h2o", "--sparse-budget", "256", "--sparse-recent", "64",
+                  "--sparse-interval", "16"],
+          "rkv": ["--sparse-method", "rkv", "--sparse-budget", "256", "--sparse-window", "8",
+                  "--sparse-interval", "16"]}
+
+
+@pytest.mark.parametrize("method", sorted(ONLINE))
+def test_online_eviction_scores_in_cuda_graphs_give_the_eager_evictions(model, request, method):
+    """H2O's and R-KV's per-slot scores are accumulated inside the replayed decode graphs (no
+    Python per layer): the same evictions, rows released and tokens as eager decoding, and the
+    pool whole afterwards."""
+    batch = prompts(1000, 3) + prompts(100, 1)
+    args = ["--model-path", model, *COMMON, *ONLINE[method], "--chain-cache", "off"]
+    runs = []
+    for extra in ([], ["--disable-cuda-graph"]):
+        srv = start_server(args + extra, request)
+        before = stats(srv)["counters"]
+        out = [r["output_ids"] for r in generate(srv, batch, n=64)]
+        after = stats(srv)
+        moved = {k: after["counters"].get(k, 0) - before.get(k, 0)
+                 for k in ("evictions", "rows_released", "decode_layer_python_calls")}
+        assert after["kv_free_slots"] == after["kv_total_slots"] and after["integrity"]["ok"]
+        runs.append((out, moved))
+        srv.stop()
+    (graph_out, graph), (eager_out, eager) = runs
+    assert graph["decode_layer_python_calls"] == 0 < eager["decode_layer_python_calls"]
+    assert graph["evictions"] == eager["evictions"] >= 3 + 3 * (63 // 16)  # prompts, then decode
+    assert graph["rows_released"] == eager["rows_released"]
+    assert graph_out == eager_out
+
+
 @pytest.mark.parametrize("flags", [[], ["--sparse-method", "quest", "--sparse-token-budget", "128"], OMNIKV],
                          ids=["dense", "quest", "omnikv"])
 def test_torch_compile_gives_the_eager_tokens(model, request, flags):

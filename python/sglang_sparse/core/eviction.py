@@ -33,9 +33,11 @@ class EvictingRuntime(SparseMethodRuntime):
     def apply_pending(self, only: set[str] | None = None) -> int:
         freed, waiting = 0, []
         for rid in self.pending:
+            if rid not in self.cache.requests:  # gone: finished before its safe point
+                continue
             if only is not None and rid not in only:
                 waiting.append(rid)
-            elif rid in self.cache.requests:  # gone: finished before its safe point
+            else:
                 keep = self.plan(rid)
                 if keep is not None:
                     freed += self.cache.compact(rid, keep)  # counted in cache.counters

@@ -10,9 +10,9 @@ Per layer: write this step's KV, ask the controller for the view, run attention 
 the backend's own dense kernel over the resident rows; a DecodeView: ``kernels.decode``, i.e.
 sgl-kernel-sparse's Triton kernel on CUDA, the plain-torch reference elsewhere), then report the
 output. Decode steps take one of three paths, chosen by the method's capabilities:
-- ``graph_decode`` (Quest, OmniKV, PyramidKV, KIVI): tensor-only ``decode_view_tensors`` and the kernel
-  of the view it returns (paged, rows + tail, per-layer cells, quantized blocks), also inside SGLang's
-  captured decode CUDA graphs;
+- ``graph_decode`` (Quest, OmniKV, PyramidKV, KIVI, H2O, R-KV): tensor-only ``decode_view_tensors``
+  and the kernel of the view it returns (paged, rows + tail, per-layer cells, quantized blocks; no
+  view: the backend's own kernel), also inside SGLang's captured decode CUDA graphs;
 - per-layer Python hooks (``decode_hooks``): eager only (the launcher disables CUDA graphs); the
   view is a ``DecodeView`` (rows for ``kernels.decode``) or a ``ComputedDecodeView`` (the method
   computes the layer's output itself, RetroInfer);

@@ -1,0 +1,127 @@
+"""R-KV (Cai et al., 2025): importance minus redundancy, evicting back to a budget every
+``interval`` decode tokens (made for long reasoning outputs).
+
+At each eviction, per layer and KV head, over the request's n retained rows:
+
+- importance: the mean softmax attention the *buffered queries* (the last ``window`` queries
+  before the eviction) paid each row, averaged over the query heads of the KV head's GQA group,
+  then max-pooled over neighbouring rows (odd ``kernel``, stride 1);
+- redundancy: each key's cosine similarity to every other retained key of its head (self 0),
+  averaged over the n rows, softmax over the rows (``eviction_scores.rkv_redundancy``);
+- score = ``alpha * importance - (1 - alpha) * redundancy``; the buffer's own rows
+  ``[n - window, n)`` are always kept, of the rest the top ``budget - window`` (ties to the lower
+  row). ``sgl_kernel_sparse.eviction_scores.rkv_select`` is the formula.
+
+When: after the prompt's last chunk if its rows exceed ``budget`` (the buffer: the prompt's last
+``window`` queries), then whenever decoding reaches ``budget + interval`` rows (the buffer: the
+last ``window`` decode queries). A request holds ``budget`` to ``budget + interval`` rows.
+
+The query buffer is kept as what it is used for, its accumulated attention: a query at row r
+counts iff ``r >= E - window``, E the rows at which the next eviction fires (the prompt's rows at
+its end when they exceed the budget, else ``budget + interval``); rows between evictions never
+move, so this equals attending the buffered queries (causally) at eviction time. Stored per
+slot (``core.slot_scores``), zeroed after each eviction; decode is tensor-only (``graph_decode``,
+inside SGLang's decode CUDA graphs, attention by SGLang's own kernel over the retained rows).
+A Chain Cache continuation resumes the slots with what they accumulated. Importance is the sum
+over the buffer and the group divided by ``window * group`` (a buffer that got fewer queries,
+e.g. a prompt shorter than the window, weighs less against redundancy).
+
+Simplified from the R-KV reference code: its similarity threshold / "retain the last similar
+token" refinement of the redundancy is not applied; softmax scale ``1/sqrt(d)``.
+
+Parameters (R-KV's common settings): ``budget`` 1024 rows, ``window`` 8 buffered queries (also the
+always-kept recent rows), ``interval`` 128 (must be >= window: the buffer lies between two
+evictions), ``alpha`` 0.1, ``kernel`` 7.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from sgl_kernel_sparse.eviction_scores import rkv_select
+
+from sglang_sparse.core.eviction import EvictingRuntime
+from sglang_sparse.core.events import DecodeBatch, LayerInput, StepInfo
+from sglang_sparse.core.memory_oracle import MemoryOracle
+from sglang_sparse.core.slot_scores import SlotScores
+from sglang_sparse.registry import ConfigError, check_range, register_method
+
+
+@dataclass(frozen=True)
+class RKVConfig:
+    budget: int = 1024
+    window: int = 8
+    interval: int = 128
+    alpha: float = 0.1
+    kernel: int = 7
+
+    def validate(self) -> None:
+        check_range("window", self.window, 1)
+        check_range("budget", self.budget, self.window + 1)
+        check_range("interval", self.interval, self.window)
+        check_range("kernel", self.kernel, 1, 63)
+        if self.kernel % 2 == 0:
+            raise ConfigError(f"kernel={self.kernel} must be odd (pooling keeps rows centred)")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"alpha={self.alpha} is out of range: must be in [0, 1], the weight of "
+                              "importance against redundancy")
+
+
+@register_method("rkv", "eviction", RKVConfig, "importance minus redundancy, periodic decode eviction")
+class RKVRuntime(EvictingRuntime):
+    graph_decode = True
+
+    def __init__(self, cache, config: RKVConfig | None = None) -> None:
+        self.config = config or RKVConfig()
+        c = self.config
+        super().__init__(cache, MemoryOracle(retained_budget=c.budget, row_cap=c.budget + c.interval))
+        self.scores = SlotScores(cache.store, cache.kv_heads)  # the buffer's accumulated attention
+        self.fire_at = c.budget + c.interval  # rows at which a decode eviction fires
+
+    def on_prefill_chunk(self, layer: LayerInput) -> None:
+        c = self.config
+        for i, r in enumerate(layer.step.requests):
+            if r.rid not in self.cache.requests:
+                continue
+            fire = self.fire_at
+            if r.is_prefill:  # rows at the prompt's end: evicted there when over the budget
+                rows_end = r.row_start + r.prompt_len - r.logical_start
+                fire = rows_end if rows_end > c.budget else fire
+            q_rows = torch.arange(r.row_start, r.row_start + r.num_tokens)
+            weights = (q_rows >= fire - c.window).float()
+            self.scores.add_chunk(layer.layer_id, layer.request_tokens(i, layer.q),
+                                  self.cache.resident_slots(r.rid), weights)
+
+    def decode_view_tensors(self, batch: DecodeBatch) -> None:
+        counts = batch.n_rows > self.fire_at - self.config.window  # this query's row >= E - window
+        self.scores.add_decode(batch, self.fire_at, counts)
+        return None
+
+    def finish_step(self, step: StepInfo) -> None:
+        c = self.config
+        for r in step.requests:
+            state = self.cache.requests.get(r.rid)
+            if state is None or r.logical_end < r.prompt_len:  # still prefilling: keep the prompt
+                continue
+            over = state.retained.n_rows - c.budget
+            if over > 0 and (r.is_last_prompt_chunk or over >= c.interval):
+                self.schedule(r.rid)
+
+    def plan(self, rid: str) -> torch.Tensor | None:
+        c = self.config
+        ret = self.cache.requests[rid].retained
+        if ret.n_rows <= c.budget:
+            return None
+        slots = self.cache.resident_slots(rid)  # [n]: row i of every layer and head lives in slots[i]
+        importance = self.scores.rows(slots) / (c.window * self.scores.group)  # mean over buffer and group
+        held = ret.all_positions()  # [layers, Hkv, n] logical position of each row
+        keep = []
+        for layer in range(self.cache.store.num_layers):
+            keys = self.cache.store.k_buffer(layer)[slots.to(importance.device)].transpose(0, 1)  # [Hkv, n, d]
+            rows = rkv_select(importance[layer], keys, c.budget, c.window, c.alpha, c.kernel)
+            keep.append(held[layer].gather(1, rows.cpu()))
+        self.scores.clear(slots)  # the buffer starts over
+        self.bump("evictions")
+        self.bump("rows_released", ret.n_rows - c.budget)
+        return torch.stack(keep)

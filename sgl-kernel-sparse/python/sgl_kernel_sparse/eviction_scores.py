@@ -1,0 +1,175 @@
+"""Plain-torch references of the online eviction scores (H2O, R-KV): the formulas the methods
+call, and whole-sequence simulations the fidelity tests compare the engine with.
+
+Index conventions as in ``reference``; in addition a *row* is an index into one KV head's
+retained sequence (ascending logical positions; after an eviction rows and positions differ).
+Every score is fp32. GQA: a KV head's score sums (H2O) or, for R-KV's importance, averages its
+group's query heads; both are per KV head so an eviction frees physical rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sgl_kernel_sparse.reference import _scale, stable_topk
+
+
+def attention_sums(q, keys, q_rows, scale=None, weights=None, block=None):
+    """``[Hkv, N]``: ``sum_i w_i sum_{h in group} A^h_{i,j}``, the causal softmax attention of
+    queries ``q [S, Hq, D]`` over ``keys [N, Hkv, D]`` (query i sees rows ``<= q_rows[i]``),
+    summed over the queries (weighted by ``weights [S]``, default 1) and over the query heads of
+    each GQA group. Queries go in blocks of ``block`` (default: about 2^26 fp32 logits, 256 MB,
+    per block: memory ``block * Hq * N``)."""
+    s, hq, d = q.shape
+    n, hkv = keys.shape[0], keys.shape[1]
+    block = block or max(1, (1 << 26) // max(1, hq * n))
+    k = keys.float().repeat_interleave(hq // hkv, dim=1)  # [N, Hq, D]
+    cols = torch.arange(n, device=keys.device).view(1, -1)
+    out = torch.zeros(hkv, n, dtype=torch.float32, device=keys.device)
+    for lo in range(0, s, block):
+        qb = q[lo: lo + block].float()
+        logits = torch.einsum("shd,nhd->hsn", qb, k) * _scale(scale, d)  # [Hq, s_b, N]
+        visible = cols <= q_rows[lo: lo + block].to(keys.device).view(-1, 1)
+        probs = torch.softmax(logits.masked_fill(~visible.unsqueeze(0), float("-inf")), dim=-1)
+        if weights is not None:
+            probs = probs * weights[lo: lo + block].to(probs).view(1, -1, 1)
+        out += probs.sum(dim=1).view(hkv, hq // hkv, n).sum(dim=1)
+    return out
+
+
+def h2o_select(scores, budget, recent):
+    """H2O's kept rows from accumulated scores ``[..., n]``: the last ``recent`` rows always, plus
+    the top ``budget - recent`` of rows ``[0, n - recent)`` by score (ties to the lower row, a
+    stable sort). ``n <= budget``: all rows. Returns ``[..., min(n, budget)]`` ascending."""
+    n = scores.shape[-1]
+    if n <= budget:
+        return torch.arange(n, device=scores.device).expand(*scores.shape[:-1], n).clone()
+    heavy = stable_topk(scores[..., : n - recent], budget - recent)  # rows [0, n - recent)
+    tail = torch.arange(n - recent, n, device=scores.device).expand(*scores.shape[:-1], recent)
+    return torch.cat([heavy, tail], dim=-1)
+
+
+def rkv_redundancy(keys):
+    """R-KV's redundancy per row, ``keys [Hkv, n, D]`` -> ``[Hkv, n]``: the cosine similarity of
+    each key to every other key of its head (self-similarity 0), averaged over the n rows, then a
+    softmax over the rows (so it sums to 1 per head, on the scale of the importance)."""
+    k = keys.float()
+    k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+    sim = k @ k.transpose(-1, -2)  # [Hkv, n, n]
+    sim.diagonal(dim1=-2, dim2=-1).zero_()
+    return sim.mean(dim=-1).softmax(dim=-1)
+
+
+def rkv_select(importance, keys, budget, window, alpha, kernel):
+    """R-KV's kept rows of one layer: importance ``[Hkv, n]`` (mean attention of the buffered
+    queries), keys ``[Hkv, n, D]``. Rows ``[n - window, n)`` (the buffer's own tokens) are kept;
+    of rows ``[0, n - window)`` the top ``budget - window`` by
+    ``alpha * maxpool(importance) - (1 - alpha) * redundancy`` (max-pool of odd ``kernel``,
+    stride 1, padding ``kernel // 2``; redundancy over all n rows, ``rkv_redundancy``), ties to
+    the lower row. ``n <= budget``: all. Returns ``[Hkv, min(n, budget)]`` ascending."""
+    hkv, n = importance.shape
+    if n <= budget:
+        return torch.arange(n, device=importance.device).expand(hkv, n).clone()
+    cand = n - window
+    imp = importance[:, :cand].float()
+    if kernel > 1:
+        imp = F.max_pool1d(imp.unsqueeze(1), kernel, stride=1, padding=kernel // 2).squeeze(1)
+    score = alpha * imp - (1.0 - alpha) * rkv_redundancy(keys)[:, :cand]
+    picked = stable_topk(score, budget - window)
+    tail = torch.arange(cand, n, device=importance.device).expand(hkv, window)
+    return torch.cat([picked, tail], dim=1)
+
+
+# ------------------------------------------------------------------ whole-sequence simulations
+
+
+def _simulate(q, k, steps, weights_of, evict):
+    """One layer, per KV head: the retained positions after running ``steps`` (``(start, end,
+    rows_at_prompt_end)`` token ranges in order: prompt chunks, then one token per decode step;
+    ``rows_at_prompt_end`` is None for decode steps). Each step's queries attend (causally) the
+    head's retained positions plus the step's own; ``weights_of(rows, step)`` weighs them,
+    ``evict(head, held, scores, step)`` returns rows to keep or None."""
+    hq, hkv = q.shape[1], k.shape[1]
+    g = hq // hkv
+    kept = []
+    for h in range(hkv):
+        held = torch.zeros(0, dtype=torch.int64)
+        scores = torch.zeros(0)
+        for step in steps:
+            start, end, _ = step
+            held = torch.cat([held, torch.arange(start, end)])
+            scores = torch.cat([scores, torch.zeros(end - start)])
+            rows = torch.arange(len(held) - (end - start), len(held))
+            w = weights_of(rows, step)
+            scores += attention_sums(q[start:end, h * g:(h + 1) * g], k[held, h: h + 1], rows, weights=w)[0]
+            keep = evict(h, held, scores, step)
+            if keep is not None:
+                held, scores = held[keep], scores[keep]
+        kept.append(held)
+    return torch.stack(kept)
+
+
+def _steps(prompt_lens, chunk, decode_after):
+    """Prompt chunks of each turn (``prompt_lens``: the logical length after each turn's prompt;
+    a later turn continues the sequence, as a Chain Cache continuation does) with
+    ``decode_after[t]`` decode steps after turn t."""
+    steps, pos = [], 0
+    for p, dec in zip(prompt_lens, decode_after):
+        while pos < p:
+            end = min(pos + chunk, p)
+            steps.append((pos, end, p))
+            pos = end
+        for _ in range(dec):
+            steps.append((pos, pos + 1, None))
+            pos += 1
+    return steps
+
+
+def h2o_simulate(q, k, budget, recent, interval, prompt_lens, chunk, decode_after):
+    """H2O on one layer's ``q [N, Hq, D]`` / ``k [N, Hkv, D]``: every query adds its attention to
+    the scores of the rows it sees; the prompt is held whole until its last chunk, then evicted to
+    ``budget``; while decoding, evicted back to ``budget`` once ``interval`` rows are over it.
+    Returns the kept positions ``[Hkv, rows]``."""
+    def evict(h, held, scores, step):
+        over = len(held) - budget
+        last_chunk = step[2] is not None and step[1] == step[2]
+        if step[2] is not None and not last_chunk:
+            return None
+        if over > 0 and (last_chunk or over >= interval):
+            return h2o_select(scores, budget, recent)
+        return None
+
+    return _simulate(q, k, _steps(prompt_lens, chunk, decode_after), lambda rows, step: None, evict)
+
+
+def rkv_simulate(q, k, budget, window, interval, alpha, kernel, prompt_lens, chunk, decode_after):
+    """R-KV on one layer: the buffered queries are the last ``window`` before each eviction: a
+    query at row r counts when ``r >= E - window``, E the rows at which the next eviction fires
+    (the prompt's rows at its end when they exceed ``budget``, else ``budget + interval``);
+    importance = their attention summed over the buffer and the GQA group / ``(window * group)``,
+    reset after each eviction. Evicts at the end
+    of a prompt over ``budget`` and whenever the rows reach ``budget + interval``. Returns the kept
+    positions ``[Hkv, rows]``."""
+    def weights_of(rows, step):
+        start, end, prompt_end = step
+        e = budget + interval
+        if prompt_end is not None:
+            rows_end = int(rows[0]) + prompt_end - start
+            e = rows_end if rows_end > budget else e
+        return (rows >= e - window).float()
+
+    def evict(h, held, scores, step):
+        over = len(held) - budget
+        last_chunk = step[2] is not None and step[1] == step[2]
+        if step[2] is not None and not last_chunk:
+            return None
+        if over > 0 and (last_chunk or over >= interval):
+            keys = k[held, h: h + 1].transpose(0, 1)  # [1, n, D]
+            importance = scores / (window * (q.shape[1] // k.shape[1]))  # mean over buffer and group
+            keep = rkv_select(importance[None], keys, budget, window, alpha, kernel)[0]
+            scores.zero_()  # the buffer starts over
+            return keep
+        return None
+
+    return _simulate(q, k, _steps(prompt_lens, chunk, decode_after), weights_of, evict)
