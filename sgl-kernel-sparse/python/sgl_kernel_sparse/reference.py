@@ -257,22 +257,32 @@ def snapkv_window_scores(q_win, k, scale=None, slots=None):
     return probs.sum(dim=1).view(hkv, hq // hkv, length).mean(dim=1)
 
 
-def snapkv_select(scores, window, budget, kernel):
+def snapkv_select(scores, window, budget, kernel, sinks=0, recent=0):
     """SnapKV's kept positions per KV head from ``snapkv_window_scores`` (computed with the last
     ``w = min(window, budget)`` prompt queries): candidates ``[0, L-w)`` avg-pooled (odd
     ``kernel``, zero padding counted, stride 1), top ``budget-w`` by ``stable_topk``, plus the
-    window ``[L-w, L)``. Returns ``[Hkv, min(budget, L)]`` positions, ascending per head."""
+    window ``[L-w, L)``. Returns ``[Hkv, min(budget, L)]`` positions, ascending per head.
+
+    ``sinks`` / ``recent`` (0: off, SnapKV as published): the first ``sinks`` positions and the
+    last ``max(recent, w)`` are kept whatever their score, inside the budget (they take the
+    top-k's first places; pooling still reads their raw scores as neighbours). Needs
+    ``sinks + max(recent, w) <= budget`` (the configs check it)."""
     hkv, length = scores.shape
     if length <= budget:
         return torch.arange(length, device=scores.device).expand(hkv, length).clone()
     w = min(window, budget)
-    picked = stable_topk(pool_positions(scores[:, : length - w], kernel), budget - w)
+    pooled = pool_positions(scores[:, : length - w], kernel)
+    if sinks or recent > w:
+        pos = torch.arange(length - w, device=scores.device)
+        forced = (pos < sinks) | (pos >= length - max(recent, w))
+        pooled = pooled.masked_fill(forced, float("inf"))
+    picked = stable_topk(pooled, budget - w)
     win = torch.arange(length - w, length, device=scores.device).expand(hkv, w)
     return torch.cat([picked, win], dim=1)
 
 
 def snapkv_keep_indices(q_win, k, budget, window, kernel, scale=None, slots=None,
-                        window_scores=snapkv_window_scores):
+                        window_scores=snapkv_window_scores, sinks=0, recent=0):
     """SnapKV's selection for one layer of one request: positions kept per KV head
     ``[Hkv, min(budget, L)]``, ascending.
 
@@ -280,6 +290,7 @@ def snapkv_keep_indices(q_win, k, budget, window, kernel, scale=None, slots=None
       ``[0, L-w)``  candidates: the window's attention summed over window queries, averaged over
                     each GQA group (selection per KV head), pooled, top ``C - w`` kept
       ``[L-w, L)``  the observation window, always kept
+    ``[0, sinks)``, ``[L-max(recent, w), L)``  always kept too, inside the budget (0: off)
     ``L <= C``: all kept. ``k`` as in ``snapkv_window_scores`` (keys, or the pool with ``slots``);
     ``window_scores`` computes the raw scores (the Triton kernel on CUDA)."""
     length = k.shape[0] if slots is None else slots.numel()
@@ -288,7 +299,7 @@ def snapkv_keep_indices(q_win, k, budget, window, kernel, scale=None, slots=None
         return torch.arange(length, device=k.device).expand(hkv, length).clone()
     w = min(window, q_win.shape[0], budget)
     scores = window_scores(q_win[-w:], k, scale=scale, slots=slots)
-    return snapkv_select(scores, w, budget, kernel)
+    return snapkv_select(scores, w, budget, kernel, sinks, recent)
 
 
 PYRAMIDKV_BETA = 20
