@@ -1,4 +1,5 @@
 """Sparse methods, one file each; importing this package registers them all (``registry``)."""
 
-from sglang_sparse.methods import dense, fp8, kivi, omnikv, pyramidkv, quest, retroinfer, snapkv, streamingllm  # noqa: F401
+from sglang_sparse.methods import (dense, fp8, kivi, kvzip, omnikv, pyramidkv, quest, retroinfer,  # noqa: F401
+                                   snapkv, streamingllm)
 from sglang_sparse.registry import build_config, get_method, method_names  # noqa: F401

@@ -356,3 +356,39 @@ def compact_kv(k_cache, v_cache, src_slots, dst_slots):
     k_cache[dst, h] = k_tmp
     v_cache[dst, h] = v_tmp
     return k_cache, v_cache
+
+
+# ------------------------------------------------------------------ KVzip
+
+
+KVZIP_SINKS = 4
+
+
+def kvzip_probe_scores(q_probe, keys, q_positions, context_len, scale=None):
+    """KVzip's importance of the context's positions for one layer: the reconstruction probe's
+    causal softmax attention (every key it sees: context + the probe so far), max over probe
+    queries and over the query heads of each GQA group.
+
+    q_probe ``[S, Hq, D]`` (probe query i sits at ``q_positions[i] >= context_len``); keys
+    ``[N, Hkv, D]`` (positions 0..N-1, the probe's own keys after the context's). Returns fp32
+    ``[Hkv, context_len]``. Chunks of probe queries combine by ``torch.maximum``."""
+    hq, hkv = q_probe.shape[1], keys.shape[1]
+    probs = attention_probs(q_probe, keys, q_positions, scale)[:, :, :context_len]  # [Hq, S, C]
+    return probs.amax(dim=1).view(hkv, hq // hkv, context_len).amax(dim=1)
+
+
+def kvzip_keep_mask(scores, keep_ratio, sinks=KVZIP_SINKS):
+    """KVzip's one global selection: ``scores [layers, Hkv, C]`` -> bool ``[layers, Hkv, C]``
+    keeping the ``floor(keep_ratio * layers * Hkv * C)`` best (layer, head, position) entries
+    over all layers and heads together (a single threshold), the first ``sinks`` positions of
+    every layer and head first (they count towards the total). Ties: the earlier entry in
+    (layer, head, position) order."""
+    layers, hkv, length = scores.shape
+    total = layers * hkv * length
+    n_keep = max(int(math.floor(keep_ratio * total)), layers * hkv * min(sinks, length))
+    flat = scores.float().clone()
+    flat[..., :sinks] = float("inf")
+    order = torch.sort(-flat.reshape(-1), stable=True).indices[:n_keep]
+    mask = torch.zeros(total, dtype=torch.bool, device=scores.device)
+    mask[order] = True
+    return mask.view(layers, hkv, length)
