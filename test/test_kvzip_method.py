@@ -94,3 +94,12 @@ def test_bad_options_get_a_sentence():
         build_config("kvzip", {"keep_ratio": 0.0})
     with pytest.raises(ConfigError, match="sinks=-1 is out of range"):
         build_config("kvzip", {"sinks": -1})
+
+
+def test_launcher_refuses_kvzip_until_the_adapter_runs_the_probe():
+    from sglang_sparse.srt.launcher import sparse_config
+
+    with pytest.raises(ConfigError, match="scores the prompt with a probe that the engine prefills after it"):
+        sparse_config(["--sparse-method", "kvzip", "--sparse-keep-ratio", "0.3"], log=lambda *_: None)
+    with pytest.raises(ConfigError, match=r"keep_ratio=2.0 is out of range"):
+        sparse_config(["--sparse-method", "kvzip", "--sparse-keep-ratio", "2"], log=lambda *_: None)
