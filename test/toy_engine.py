@@ -54,10 +54,11 @@ class ToyEngine:
         return DecodeBatch(layer, q[layer], k[layer], rows, n_rows, slots, self.store.table,
                            self.store.k[layer], self.store.v[layer])
 
-    def prefill(self, rid, row, q, k, v, chunk):
-        """Prefill one request's prompt in chunks of ``chunk`` tokens."""
+    def prefill(self, rid, row, q, k, v, chunk, metadata=None):
+        """Prefill one request's prompt in chunks of ``chunk`` tokens (``metadata``: the
+        request's starting method metadata, as an engine passes it)."""
         length = q[0].shape[0]
-        self.ctl.request_started(rid, row, length)
+        self.ctl.request_started(rid, row, length, metadata=metadata)
         freed = 0
         for start in range(0, length, chunk):
             end = min(start + chunk, length)

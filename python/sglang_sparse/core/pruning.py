@@ -24,10 +24,9 @@ from __future__ import annotations
 import math
 
 import torch
-from sgl_kernel_sparse.reference import SNAPKV_KERNEL, pool_positions
+from sgl_kernel_sparse.reference import KVZIP_SINKS, SNAPKV_KERNEL, pool_positions  # noqa: F401 (KVZIP_SINKS: re-exported)
 
 POLICIES = ("snapkv", "kvzip")
-KVZIP_SINKS = 4
 KVZIP_PROMPT = "\n\nRepeat the previous context exactly.\n"
 
 

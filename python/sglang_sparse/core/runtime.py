@@ -52,6 +52,7 @@ class SparseMethodRuntime:
     graph_decode = False  # True: decode layers go through decode_view_tensors (CUDA-graph safe)
     per_layer_rows = False  # True: compacts per layer (flat-cell store, LayerRowsView attention)
     supports_chains = True  # False: Chain Cache cannot carry this method's state yet
+    needs_engine_probe = False  # True: the engine must prefill a method-built probe after the prompt
 
     @classmethod
     def overrides(cls, hook: str) -> bool:

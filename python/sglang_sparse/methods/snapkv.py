@@ -13,7 +13,12 @@ chunks, or a one-chunk prefill, give the same selection. Scoring reads the resid
 at the safe point, so no prompt-length score buffer is kept between chunks.
 
 Parameters: ``budget`` C (tokens kept per layer and KV head, window included), ``window`` w,
-``kernel`` pooling width (odd; 1 disables pooling).
+``kernel`` pooling width (odd; 1 disables pooling), ``sinks`` and ``recent`` (0: off, the
+published SnapKV): the first ``sinks`` and the last ``max(recent, w)`` prompt rows are always kept,
+inside the budget (the paper's comparisons use 64 and 512), the rest of the budget goes to the top
+pooled scores between them. Pooling is unchanged (a forced row's raw score still smooths its
+neighbours'). On a resumed chain these count the rows the prompt holds: the first ``sinks`` rows
+are the earliest retained positions (the chain's own sinks when it kept them).
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ class SnapKVConfig:
     budget: int = 1024
     window: int = SNAPKV_WINDOW
     kernel: int = SNAPKV_KERNEL
+    sinks: int = 0
+    recent: int = 0
 
     def validate(self) -> None:
         check_range("window", self.window, 1)
@@ -42,6 +49,13 @@ class SnapKVConfig:
         check_range("kernel", self.kernel, 1, 63)
         if self.kernel % 2 == 0:
             raise ConfigError(f"kernel={self.kernel} must be odd (pooling keeps positions centred)")
+        check_range("sinks", self.sinks, 0)
+        check_range("recent", self.recent, 0)
+        forced = self.sinks + max(self.recent, self.window)
+        if forced > self.budget:
+            raise ConfigError(f"sinks={self.sinks} plus recent={max(self.recent, self.window)} (at least the "
+                              f"window) is {forced} positions, more than budget={self.budget}: the always-kept "
+                              "positions must fit inside the budget")
 
 
 @register_method("snapkv", "eviction", SnapKVConfig, "observation-window prompt selection + compaction")
@@ -85,6 +99,7 @@ class SnapKVRuntime(EvictingRuntime):
             picked = snapkv_keep_indices(
                 window_q[layer], self.cache.store.k_buffer(layer), self.config.budget, self.config.window,
                 self.config.kernel, slots=slots.to(window_q[layer].device),
+                sinks=self.config.sinks, recent=self.config.recent,
             )  # row indices per KV head (== logical positions unless the request resumed a chain)
             keep.append(held[layer].gather(1, picked.cpu()))
         keep_t = torch.stack(keep)  # [layers, kv_heads, budget]

@@ -106,11 +106,11 @@ def compact_kv(k_cache, v_cache, src_slots, dst_slots, **triton_kwargs):
     return _pick("compact_kv", (k_cache, v_cache, src_slots, dst_slots), dict(triton_kwargs))
 
 
-def snapkv_keep_indices(q_win, k, budget, window, kernel, scale=None, slots=None):
+def snapkv_keep_indices(q_win, k, budget, window, kernel, scale=None, slots=None, sinks=0, recent=0):
     """``reference.snapkv_keep_indices`` with the window scores on Triton for CUDA tensors (the
     keys read from the pool through ``slots``), the selection in torch."""
     return reference.snapkv_keep_indices(q_win, k, budget, window, kernel, scale=scale, slots=slots,
-                                         window_scores=snapkv_window_scores)
+                                         window_scores=snapkv_window_scores, sinks=sinks, recent=recent)
 
 
 def quest_select_pages(scores, n_sel):

@@ -275,22 +275,32 @@ def snapkv_window_scores(q_win, k, scale=None, slots=None):
     return probs.sum(dim=1).view(hkv, hq // hkv, length).mean(dim=1)
 
 
-def snapkv_select(scores, window, budget, kernel):
+def snapkv_select(scores, window, budget, kernel, sinks=0, recent=0):
     """SnapKV's kept positions per KV head from ``snapkv_window_scores`` (computed with the last
     ``w = min(window, budget)`` prompt queries): candidates ``[0, L-w)`` avg-pooled (odd
     ``kernel``, zero padding counted, stride 1), top ``budget-w`` by ``stable_topk``, plus the
-    window ``[L-w, L)``. Returns ``[Hkv, min(budget, L)]`` positions, ascending per head."""
+    window ``[L-w, L)``. Returns ``[Hkv, min(budget, L)]`` positions, ascending per head.
+
+    ``sinks`` / ``recent`` (0: off, SnapKV as published): the first ``sinks`` positions and the
+    last ``max(recent, w)`` are kept whatever their score, inside the budget (they take the
+    top-k's first places; pooling still reads their raw scores as neighbours). Needs
+    ``sinks + max(recent, w) <= budget`` (the configs check it)."""
     hkv, length = scores.shape
     if length <= budget:
         return torch.arange(length, device=scores.device).expand(hkv, length).clone()
     w = min(window, budget)
-    picked = stable_topk(pool_positions(scores[:, : length - w], kernel), budget - w)
+    pooled = pool_positions(scores[:, : length - w], kernel)
+    if sinks or recent > w:
+        pos = torch.arange(length - w, device=scores.device)
+        forced = (pos < sinks) | (pos >= length - max(recent, w))
+        pooled = pooled.masked_fill(forced, float("inf"))
+    picked = stable_topk(pooled, budget - w)
     win = torch.arange(length - w, length, device=scores.device).expand(hkv, w)
     return torch.cat([picked, win], dim=1)
 
 
 def snapkv_keep_indices(q_win, k, budget, window, kernel, scale=None, slots=None,
-                        window_scores=snapkv_window_scores):
+                        window_scores=snapkv_window_scores, sinks=0, recent=0):
     """SnapKV's selection for one layer of one request: positions kept per KV head
     ``[Hkv, min(budget, L)]``, ascending.
 
@@ -298,6 +308,7 @@ def snapkv_keep_indices(q_win, k, budget, window, kernel, scale=None, slots=None
       ``[0, L-w)``  candidates: the window's attention summed over window queries, averaged over
                     each GQA group (selection per KV head), pooled, top ``C - w`` kept
       ``[L-w, L)``  the observation window, always kept
+    ``[0, sinks)``, ``[L-max(recent, w), L)``  always kept too, inside the budget (0: off)
     ``L <= C``: all kept. ``k`` as in ``snapkv_window_scores`` (keys, or the pool with ``slots``);
     ``window_scores`` computes the raw scores (the Triton kernel on CUDA)."""
     length = k.shape[0] if slots is None else slots.numel()
@@ -306,7 +317,7 @@ def snapkv_keep_indices(q_win, k, budget, window, kernel, scale=None, slots=None
         return torch.arange(length, device=k.device).expand(hkv, length).clone()
     w = min(window, q_win.shape[0], budget)
     scores = window_scores(q_win[-w:], k, scale=scale, slots=slots)
-    return snapkv_select(scores, w, budget, kernel)
+    return snapkv_select(scores, w, budget, kernel, sinks, recent)
 
 
 PYRAMIDKV_BETA = 20
@@ -363,3 +374,39 @@ def compact_kv(k_cache, v_cache, src_slots, dst_slots):
     k_cache[dst, h] = k_tmp
     v_cache[dst, h] = v_tmp
     return k_cache, v_cache
+
+
+# ------------------------------------------------------------------ KVzip
+
+
+KVZIP_SINKS = 4
+
+
+def kvzip_probe_scores(q_probe, keys, q_positions, context_len, scale=None):
+    """KVzip's importance of the context's positions for one layer: the reconstruction probe's
+    causal softmax attention (every key it sees: context + the probe so far), max over probe
+    queries and over the query heads of each GQA group.
+
+    q_probe ``[S, Hq, D]`` (probe query i sits at ``q_positions[i] >= context_len``); keys
+    ``[N, Hkv, D]`` (positions 0..N-1, the probe's own keys after the context's). Returns fp32
+    ``[Hkv, context_len]``. Chunks of probe queries combine by ``torch.maximum``."""
+    hq, hkv = q_probe.shape[1], keys.shape[1]
+    probs = attention_probs(q_probe, keys, q_positions, scale)[:, :, :context_len]  # [Hq, S, C]
+    return probs.amax(dim=1).view(hkv, hq // hkv, context_len).amax(dim=1)
+
+
+def kvzip_keep_mask(scores, keep_ratio, sinks=KVZIP_SINKS):
+    """KVzip's one global selection: ``scores [layers, Hkv, C]`` -> bool ``[layers, Hkv, C]``
+    keeping the ``floor(keep_ratio * layers * Hkv * C)`` best (layer, head, position) entries
+    over all layers and heads together (a single threshold), the first ``sinks`` positions of
+    every layer and head first (they count towards the total). Ties: the earlier entry in
+    (layer, head, position) order."""
+    layers, hkv, length = scores.shape
+    total = layers * hkv * length
+    n_keep = max(int(math.floor(keep_ratio * total)), layers * hkv * min(sinks, length))
+    flat = scores.float().clone()
+    flat[..., :sinks] = float("inf")
+    order = torch.sort(-flat.reshape(-1), stable=True).indices[:n_keep]
+    mask = torch.zeros(total, dtype=torch.bool, device=scores.device)
+    mask[order] = True
+    return mask.view(layers, hkv, length)

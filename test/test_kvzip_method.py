@@ -1,0 +1,105 @@
+"""KVzip as a method on the toy engine (no SGLang): the probe prefilled after the context scores
+it, one global keep ratio over layers and heads (sinks first) picks the entries, each layer keeps
+its widest head's count in the per-layer store, the probe's rows are dropped and decode goes on
+at the context's end; kept indices equal the formula, nothing leaks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from sgl_kernel_sparse import reference
+
+from sglang_sparse.methods.kvzip import CONTEXT_KEY, probe_tokens
+from sglang_sparse.registry import ConfigError, build_config
+from toy_engine import HKV, HQ, LAYERS, D, ToyEngine, qkv
+
+CTX, PROBE = 40, 50
+
+
+def _formula(q, k, ratio, sinks):
+    """Kept positions per layer ``[Hkv, B_l]`` from the definition, written out here: score =
+    max over probe queries and GQA group of causal softmax attention; global top entries over
+    (layer, head, position), sinks first, ties to the earlier entry; each layer widened to its
+    widest head by that head's next-best positions."""
+    scores = []
+    for layer in range(LAYERS):
+        qq, kk = q[layer][CTX:], k[layer].repeat_interleave(HQ // HKV, dim=1)
+        logits = torch.einsum("shd,nhd->hsn", qq, kk) / math.sqrt(D)
+        seen = torch.arange(CTX + PROBE).view(1, -1) <= torch.arange(CTX, CTX + PROBE).view(-1, 1)
+        probs = torch.softmax(logits.masked_fill(~seen, float("-inf")), -1)[..., :CTX]
+        scores.append(probs.amax(dim=1).view(HKV, HQ // HKV, CTX).amax(dim=1))
+    s = torch.stack(scores)  # [layers, Hkv, CTX]
+    entries = sorted(((layer, h, p) for layer in range(LAYERS) for h in range(HKV) for p in range(CTX)),
+                     key=lambda e: (-(math.inf if e[2] < sinks else float(s[e])), e))
+    kept = set(entries[: int(ratio * LAYERS * HKV * CTX)])
+    out = []
+    for layer in range(LAYERS):
+        width = max(sum((layer, h, p) in kept for p in range(CTX)) for h in range(HKV))
+        rows = []
+        for h in range(HKV):
+            ranked = sorted(range(CTX), key=lambda p: (0 if (layer, h, p) in kept else 1, -float(s[layer, h, p]), p))
+            rows.append(sorted(ranked[:width]))
+        out.append(torch.tensor(rows))
+    return out
+
+
+@pytest.mark.parametrize("chunk", [1000, 7])
+def test_kvzip_keeps_the_formula_drops_the_probe_and_frees_each_layers_drops(chunk):
+    ratio, sinks = 0.3, 4
+    q, k, v = qkv(CTX + PROBE, seed=21)
+    eng = ToyEngine("kvzip", {"keep_ratio": ratio, "sinks": sinks})
+    free0 = eng.store.free_count()
+    freed = eng.prefill("a", 0, q, k, v, chunk, metadata={CONTEXT_KEY: CTX})
+    want = _formula(q, k, ratio, sinks)
+    engine_rows = -(-sum(w.shape[1] for w in want) // LAYERS)
+    assert freed == CTX + PROBE - engine_rows
+    assert eng.store.free_count() == free0 - engine_rows
+    ret = eng.ctl.cache.retained("a")
+    assert ret.per_layer and (ret.n_rows, ret.logical_len) == (engine_rows, CTX)
+    assert len({w.shape[1] for w in want}) > 1  # one global threshold: layers keep different counts
+    for layer in range(LAYERS):
+        assert torch.equal(ret.layer_positions(layer), want[layer])
+        assert (want[layer][:, :sinks] == torch.arange(sinks)).all()
+        for h in range(HKV):
+            torch.testing.assert_close(eng.ctl.cache.keys("a", layer)[:, h], k[layer][want[layer][h], h])
+            torch.testing.assert_close(eng.ctl.cache.values("a", layer)[:, h], v[layer][want[layer][h], h])
+    dq, dk, dv = qkv(1, seed=22)  # decode continues at the context's end, not after the probe
+    eng.decode("a", 0, dq, dk, dv)
+    ret = eng.ctl.cache.retained("a")
+    assert (ret.n_rows, ret.logical_len) == (engine_rows + 1, CTX + 1)
+    assert ret.layer_positions(0)[:, -1].eq(CTX).all()
+    torch.testing.assert_close(eng.ctl.cache.keys("a", 2)[-1], dk[2][0])
+    eng.finish("a", 0)
+    assert eng.store.free_count() == free0
+
+
+def test_reference_mask_is_one_global_threshold():
+    scores = torch.rand(3, 2, 10, generator=torch.Generator().manual_seed(3))
+    mask = reference.kvzip_keep_mask(scores, 0.25, sinks=1)
+    assert int(mask.sum()) == 15 and mask[..., 0].all()
+    rest = scores.masked_fill(torch.zeros_like(mask).index_fill_(2, torch.tensor([0]), True), -1)
+    assert rest[mask & (rest >= 0)].min() >= rest[~mask].max()  # every kept score >= every dropped
+
+
+def test_probe_tokens_follow_the_chunked_layout():
+    ctx = list(range(100, 110))
+    got = probe_tokens(ctx, [1], [2], [9], chunk=4, tail=2)
+    assert got == [1, 9, 100, 101, 102, 103, 2, 102, 103, 9, 104, 105, 106, 107, 2, 106, 107, 9, 108, 109]
+
+
+def test_bad_options_get_a_sentence():
+    with pytest.raises(ConfigError, match=r"keep_ratio=0.0 is out of range: must be in \(0, 1\]"):
+        build_config("kvzip", {"keep_ratio": 0.0})
+    with pytest.raises(ConfigError, match="sinks=-1 is out of range"):
+        build_config("kvzip", {"sinks": -1})
+
+
+def test_launcher_refuses_kvzip_until_the_adapter_runs_the_probe():
+    from sglang_sparse.srt.launcher import sparse_config
+
+    with pytest.raises(ConfigError, match="scores the prompt with a probe that the engine prefills after it"):
+        sparse_config(["--sparse-method", "kvzip", "--sparse-keep-ratio", "0.3"], log=lambda *_: None)
+    with pytest.raises(ConfigError, match=r"keep_ratio=2.0 is out of range"):
+        sparse_config(["--sparse-method", "kvzip", "--sparse-keep-ratio", "2"], log=lambda *_: None)
