@@ -27,6 +27,19 @@ class EvictingRuntime(SparseMethodRuntime):
         if rid not in self.pending:
             self.pending.append(rid)
 
+    def schedule_over_budget(self, step, kept: int, slack: int) -> None:
+        """Online eviction's trigger (StreamingLLM, H2O, R-KV): plan a compaction for each
+        request of ``step`` past its prompt that holds more than ``kept`` rows, right after its
+        last prompt chunk, then whenever ``slack`` rows have accumulated past ``kept``. A
+        request still prefilling keeps its whole prompt."""
+        for r in step.requests:
+            state = self.cache.requests.get(r.rid)
+            if state is None or r.logical_end < r.prompt_len:
+                continue
+            over = state.retained.n_rows - kept
+            if over > 0 and (r.is_last_prompt_chunk or over >= slack):
+                self.schedule(r.rid)
+
     def plan(self, rid: str) -> torch.Tensor | list[torch.Tensor] | None:
         raise NotImplementedError
 

@@ -99,14 +99,7 @@ class RKVRuntime(EvictingRuntime):
         return None
 
     def finish_step(self, step: StepInfo) -> None:
-        c = self.config
-        for r in step.requests:
-            state = self.cache.requests.get(r.rid)
-            if state is None or r.logical_end < r.prompt_len:  # still prefilling: keep the prompt
-                continue
-            over = state.retained.n_rows - c.budget
-            if over > 0 and (r.is_last_prompt_chunk or over >= c.interval):
-                self.schedule(r.rid)
+        self.schedule_over_budget(step, self.config.budget, self.config.interval)
 
     def plan(self, rid: str) -> torch.Tensor | None:
         c = self.config

@@ -67,14 +67,7 @@ class StreamingLLMRuntime(EvictingRuntime):
         super().__init__(cache, MemoryOracle(retained_budget=c.kept, row_cap=c.kept + c.evict_every))
 
     def finish_step(self, step: StepInfo) -> None:
-        c = self.config
-        for r in step.requests:
-            state = self.cache.requests.get(r.rid)
-            if state is None or r.logical_end < r.prompt_len:  # still prefilling: keep the prompt
-                continue
-            over = state.retained.n_rows - c.kept
-            if over > 0 and (r.is_last_prompt_chunk or over >= c.evict_every):
-                self.schedule(r.rid)
+        self.schedule_over_budget(step, self.config.kept, self.config.evict_every)
 
     def plan(self, rid: str) -> torch.Tensor | None:
         ret = self.cache.requests[rid].retained

@@ -49,7 +49,6 @@ _REF_KWARGS = {
     "quest_page_scores_paged": (),
     "snapkv_window_scores": ("scale", "slots"),
     "compact_kv": (),
-    "quest_fold_decode_keys": (),
 }
 
 
@@ -124,7 +123,9 @@ def quest_select_pages(scores, n_sel):
 def quest_fold_decode_keys(kmin, kmax, k, slots, page):
     """``reference.quest_fold_keys`` for decode steps (every token in its own page): one Triton
     launch on CUDA (``triton_quest.quest_fold_decode_keys``), the reference scatter elsewhere."""
-    return _pick("quest_fold_decode_keys", (kmin, kmax, k, slots, page), {})
+    if use_triton(kmin, kmax, k, slots):
+        return _triton_ops().quest_fold_decode_keys(kmin, kmax, k, slots, page)
+    return reference.quest_fold_keys(kmin, kmax, k, slots, page)
 
 
 # Other selections stay in torch on every device (stable sorts: ties -> lower index).

@@ -207,9 +207,6 @@ def quest_fold_keys(kmin, kmax, k, slots, page):
     kmax.scatter_reduce_(0, idx, k.to(kmax.dtype), reduce="amax")
 
 
-quest_fold_decode_keys = quest_fold_keys  # the Triton version's name (decode: one token per page)
-
-
 def quest_page_scores(q, kmin, kmax, n_pages, summary_rows=None):
     """Quest upper bound ``sum_c max(q_c*M_c, q_c*m_c)`` per (request, query head, page).
 
