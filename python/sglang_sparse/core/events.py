@@ -32,6 +32,8 @@ class RequestSlice:
 
     ``[logical_start, logical_end)`` are the logical positions computed in this step and
     ``[row_start, row_start + (logical_end - logical_start))`` the rows their KV is written to.
+    ``token_ids``: the token ids of those logical positions, filled only for a runtime that
+    ``reads_tokens`` (empty otherwise).
     """
 
     rid: str
@@ -40,6 +42,7 @@ class RequestSlice:
     logical_end: int
     row_start: int
     prompt_len: int
+    token_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -53,6 +53,8 @@ class SparseMethodRuntime:
     per_layer_rows = False  # True: compacts per layer (flat-cell store, LayerRowsView attention)
     supports_chains = True  # False: Chain Cache cannot carry this method's state yet
     needs_engine_probe = False  # True: the engine must prefill a method-built probe after the prompt
+    # True: the adapter fills RequestSlice.token_ids and calls use_vocabulary once at start-up
+    reads_tokens = False
 
     @classmethod
     def overrides(cls, hook: str) -> bool:
@@ -96,6 +98,10 @@ class SparseMethodRuntime:
         self.cache = cache
         self.oracle = oracle or MemoryOracle()
         self.counters: dict[str, int] = {}
+
+    def use_vocabulary(self, texts: list[str]) -> None:
+        """``reads_tokens`` methods, once before the first step: ``texts[i]`` is the decoded text
+        of token id i (the engine's tokenizer); not called when the engine has no tokenizer."""
 
     def payload_bytes(self) -> tuple[int, int]:
         """(total, used) bytes of KV the method stores outside the engine's pool (a quantized

@@ -1,5 +1,5 @@
-"""Plain-torch references of the online eviction scores (H2O, R-KV): the formulas the methods
-call, and whole-sequence simulations the fidelity tests compare the engine with.
+"""Plain-torch references of the online eviction scores (H2O, R-KV, SkipKV): the formulas the
+methods call, and whole-sequence simulations the fidelity tests compare the engine with.
 
 Index conventions as in ``reference``; in addition a *row* is an index into one KV head's
 retained sequence (ascending logical positions; after an eviction rows and positions differ).
@@ -79,6 +79,49 @@ def rkv_select(importance, keys, budget, window, alpha, kernel):
     picked = stable_topk(score, budget - window)
     tail = torch.arange(cand, n, device=importance.device).expand(hkv, window)
     return torch.cat([picked, tail], dim=1)
+
+
+def segment_ids(boundary, max_segment):
+    """SkipKV's segments over logical positions ``[0, N)`` from ``boundary [N]`` (bool: the token
+    at that position ends a sentence): position p starts a new segment when p is 0, when token
+    p - 1 is a boundary, or when the current segment already holds ``max_segment`` tokens (a
+    sentence longer than that is cut into pieces of ``max_segment``). Returns ``[N]`` int64,
+    non-decreasing, 0-based."""
+    flags = [bool(b) for b in boundary.tolist()]
+    out, seg, run = [], -1, 0
+    for p in range(len(flags)):
+        if p == 0 or run >= max_segment or flags[p - 1]:
+            seg, run = seg + 1, 0
+        out.append(seg)
+        run += 1
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def skipkv_select(scores, seg, budget, sinks, recent):
+    """SkipKV's kept rows, shared by every layer and KV head: ``scores [layers, Hkv, n]``
+    accumulated attention per row, ``seg [n]`` the segment id of each row (non-decreasing).
+    Rows ``[0, sinks)`` and ``[n - recent, n)`` are always kept. The candidate rows
+    ``[sinks, n - recent)`` form *units*: maximal runs of one segment id (a segment cut by the
+    sinks or the recent window keeps its protected part; the rest is a unit of its own). A unit's
+    score is the mean over its rows and over all layers and KV heads of the row scores. Units are
+    dropped whole, lowest score first (ties: the later unit first, so the lower row stays), until
+    at most ``budget`` rows remain: between ``budget - largest unit + 1`` and ``budget`` rows are
+    kept. ``n <= budget``: all rows. Needs ``budget > sinks + recent``. Returns ``[B]`` ascending."""
+    n = scores.shape[-1]
+    if n <= budget:
+        return torch.arange(n, device=scores.device)
+    lo, hi = sinks, n - recent  # candidate rows [lo, hi)
+    _, unit, size = torch.unique_consecutive(seg[lo:hi].to(scores.device), return_inverse=True,
+                                             return_counts=True)  # unit[r - lo]: unit of row r
+    row_score = scores.float().mean(dim=(0, 1))[lo:hi]
+    unit_score = torch.zeros(size.numel(), device=scores.device).index_add_(0, unit, row_score) / size
+    keep_order = torch.sort(unit_score, descending=True, stable=True).indices  # ties: lower unit first
+    drop_order = keep_order.flip(0)
+    covered = size[drop_order].cumsum(0)  # rows dropped after each unit of drop_order
+    n_drop = int((covered < n - budget).sum()) + 1  # the first prefix that drops >= n - budget rows
+    kept = torch.ones(n, dtype=torch.bool, device=scores.device)
+    kept[lo:hi] = ~torch.isin(unit, drop_order[:n_drop])
+    return kept.nonzero().view(-1)
 
 
 # ------------------------------------------------------------------ whole-sequence simulations
@@ -173,3 +216,32 @@ def rkv_simulate(q, k, budget, window, interval, alpha, kernel, prompt_lens, chu
         return None
 
     return _simulate(q, k, _steps(prompt_lens, chunk, decode_after), weights_of, evict)
+
+
+def skipkv_simulate(q, k, boundary, budget, sinks, recent, interval, max_segment, prompt_lens, chunk,
+                    decode_after):
+    """SkipKV over all layers: ``q`` / ``k`` lists (one per layer) of ``[N, Hq, D]`` /
+    ``[N, Hkv, D]``, ``boundary [N]`` the sentence-ending tokens. Every query adds its attention
+    to its rows' scores (as H2O); the prompt is held whole until its last chunk, then evicted to
+    ``budget`` if over it; while decoding, evicted once ``interval`` rows are over ``budget``. The
+    kept positions are shared by every layer and head (``skipkv_select``). Returns them ``[B]``."""
+    seg = segment_ids(boundary, max_segment)
+    layers, hkv = len(q), k[0].shape[1]
+    g = q[0].shape[1] // hkv
+    held = torch.zeros(0, dtype=torch.int64)
+    scores = torch.zeros(layers, hkv, 0)
+    for start, end, prompt_end in _steps(prompt_lens, chunk, decode_after):
+        held = torch.cat([held, torch.arange(start, end)])
+        scores = torch.cat([scores, torch.zeros(layers, hkv, end - start)], dim=2)
+        rows = torch.arange(len(held) - (end - start), len(held))
+        for layer in range(layers):
+            for h in range(hkv):
+                scores[layer, h] += attention_sums(q[layer][start:end, h * g:(h + 1) * g],
+                                                   k[layer][held, h: h + 1], rows)[0]
+        if prompt_end is not None and end < prompt_end:
+            continue  # the prompt is held whole until its last chunk
+        over = len(held) - budget
+        if over > 0 and (prompt_end is not None or over >= interval):
+            keep = skipkv_select(scores, seg[held], budget, sinks, recent)
+            held, scores = held[keep], scores[:, :, keep]
+    return held

@@ -29,6 +29,10 @@ def ensure_controller(model_runner) -> SparseController:
         store = SGLangKVStore(model_runner)
         kv_heads = model_runner.token_to_kv_pool.head_num
         runtime = spec.runtime_cls(CacheManager(store, kv_heads), build_config(method, config.get("options")))
+        if runtime.reads_tokens:
+            texts = token_texts(model_runner)
+            if texts is not None:
+                runtime.use_vocabulary(texts)
         st.controller = SparseController(runtime)
         # RoPE offsets of rows with logical tokens before them that hold no KV (evicted, or pruned
         # out of a radix path): any method can meet the latter (engine/rows.py).
@@ -38,3 +42,19 @@ def ensure_controller(model_runner) -> SparseController:
         logger.info("sglang_sparse: method %s %s, chain cache %s", method, config.get("options"),
                     "on" if st.chains is not None else "off")
     return st.controller
+
+
+def token_texts(model_runner) -> list[str] | None:
+    """The decoded text of every token id, from the server's tokenizer (the one SGLang's
+    tokenizer manager loads: ``--tokenizer-path``, else the model's directory); None when it
+    cannot be loaded (the method then sees no token text)."""
+    from transformers import AutoTokenizer
+
+    args = model_runner.server_args
+    path = getattr(args, "tokenizer_path", None) or args.model_path
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=bool(getattr(args, "trust_remote_code", False)))
+    except Exception as err:  # noqa: BLE001 - any loader failure: run without token text
+        logger.warning("sglang_sparse: no tokenizer at %s (%s): the method sees no token text", path, err)
+        return None
+    return tok.batch_decode([[i] for i in range(len(tok))])

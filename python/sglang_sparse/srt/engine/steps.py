@@ -24,27 +24,38 @@ from sglang_sparse.srt.prune import scheduler as prune
 from sglang_sparse.srt.state import STATE, sparse
 
 
+def token_ids(req, start: int, end: int, wanted: bool) -> tuple[int, ...]:
+    """The request's token ids at logical ``[start, end)`` (prompt, then output), when the
+    method reads tokens (``runtime.reads_tokens``); () otherwise."""
+    if not wanted:
+        return ()
+    prompt = req.origin_input_ids
+    n = len(prompt)
+    return tuple(prompt[start: min(end, n)]) + tuple(req.output_ids[max(start - n, 0): max(end - n, 0)])
+
+
 def step_from_batch(batch, ctl) -> StepInfo | None:
     mode = batch.forward_mode
     if mode.is_idle() or not batch.reqs:
         return None
-    slices = []
+    slices, tokens = [], ctl.runtime.reads_tokens
     if mode.is_decode():
         # seq_lens counts resident rows incl. the token being decoded, which is written to row
         # seq_len-1; its logical position adds the request's evicted-token offset.
         for req, seq_len in zip(batch.reqs, batch.seq_lens_cpu.tolist()):
             known = ctl.cache.requests.get(req.rid)
             offset = known.retained.offset if known is not None else 0
-            slices.append(RequestSlice(req.rid, req.kv.req_pool_idx, seq_len - 1 + offset,
-                                       seq_len + offset, seq_len - 1, len(req.origin_input_ids)))
+            start = seq_len - 1 + offset
+            slices.append(RequestSlice(req.rid, req.kv.req_pool_idx, start, start + 1, seq_len - 1,
+                                       len(req.origin_input_ids), token_ids(req, start, start + 1, tokens)))
         kind = StepMode.DECODE
     elif mode.name in ("EXTEND", "MIXED"):  # speculative verify modes are not supported
         for req, prefix, extend in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
             # prefix counts resident rows; the request may have logical tokens without KV before
             # them (a resumed chain, a pruned radix path: engine/rows.py)
-            off = rows.request_offset(req)
-            slices.append(RequestSlice(req.rid, req.kv.req_pool_idx, prefix + off, prefix + off + extend,
-                                       prefix, len(req.origin_input_ids)))
+            start = prefix + rows.request_offset(req)
+            slices.append(RequestSlice(req.rid, req.kv.req_pool_idx, start, start + extend, prefix,
+                                       len(req.origin_input_ids), token_ids(req, start, start + extend, tokens)))
         kind = StepMode.MIXED if mode.is_mixed() else StepMode.PREFILL
     else:
         return None
