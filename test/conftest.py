@@ -116,3 +116,25 @@ def run_together(server, calls) -> tuple[list, int]:
         t.join()
     assert not errors, errors
     return results, peak
+
+
+def expand_ranges(ranges) -> list[int]:
+    """The logical positions of a retention map's half-open runs ``[[start, end), ...]``."""
+    return [p for start, end in ranges for p in range(start, end)]
+
+
+def stream_and_get(server, body, path) -> tuple:
+    """Stream ``/generate`` of ``body`` (greedy; its ``rid`` names it); once the first token has
+    arrived (the request is decoding) GET ``path``; then read the stream to its end. Returns
+    (the GET's response, the first streamed chunk, the last one)."""
+    import json
+
+    import requests
+
+    with requests.post(server.base_url + "/generate", json={**body, "stream": True}, stream=True, timeout=600) as resp:
+        assert resp.status_code == 200, resp.text
+        lines = resp.iter_lines()
+        first = next(x for x in lines if x.startswith(b"data: {"))
+        mid = requests.get(server.base_url + path, timeout=60)
+        chunks = [first] + [x for x in lines if x.startswith(b"data: {")]
+    return mid, json.loads(first[6:]), json.loads(chunks[-1][6:])

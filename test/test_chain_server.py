@@ -11,12 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from conftest import start_server
+from conftest import expand_ranges, start_server, stream_and_get
 
-BUDGET, POOL = 64, 4096
+BUDGET, POOL, WINDOW = 64, 4096, 8
 ARGS = ["--max-total-tokens", str(POOL), "--chunked-prefill-size", "256", "--log-level", "warning",
         "--dtype", "float32", "--sparse-method", "snapkv", "--sparse-budget", str(BUDGET),
-        "--sparse-window", "8"]  # --chain-cache auto: on for SnapKV
+        "--sparse-window", str(WINDOW)]  # --chain-cache auto: on for SnapKV
 
 
 @pytest.fixture(scope="module")
@@ -293,6 +293,8 @@ def test_a_retry_right_after_a_cancel_finds_the_chain_gone(server):
     assert code == 410 and "its request was aborted" in body["message"], body
     _wait_idle(server)
     assert chain(server, cid)["status"] == "invalidated"
+    gone = requests.get(f"{server.base_url}/chain/{cid}/retention", timeout=60)
+    assert gone.status_code == 410 and "keeps no KV" in gone.json()["message"], gone.text
     assert_rows_accounted(server)
 
 
@@ -302,3 +304,69 @@ def _wait_idle(server, timeout=120):
             return
         threading.Event().wait(0.2)
     raise AssertionError("requests still running")
+
+
+def retention(server, path, **params):
+    return requests.get(server.base_url + path, params=params, timeout=60)
+
+
+def assert_snapkv_map(r, prompt: int, rows: int):
+    """Every layer and KV head keeps exactly the ``rows`` the cache holds: logical positions in
+    ``[0, logical_len)``, the observation window and every decoded token among them."""
+    assert r["method"] == "snapkv" and r["retained_rows"] == rows
+    assert len(r["layers"]) == r["num_layers"] > 0 and r["kv_heads"] > 0
+    recent = set(range(prompt - WINDOW, r["logical_len"]))
+    for layer in r["layers"]:
+        assert len(layer["heads"]) == r["kv_heads"]
+        for head in layer["heads"]:
+            kept = expand_ranges(head["ranges"])
+            assert head["kept"] == len(kept) == rows, (layer["layer"], head)
+            assert kept == sorted(set(kept)) and 0 <= kept[0] and kept[-1] < r["logical_len"]
+            assert recent <= set(kept)
+    assert r["kept"] == rows * r["num_layers"] * r["kv_heads"]
+    assert r["kept_fraction"] == pytest.approx(rows / r["logical_len"], abs=1e-5)
+
+
+def test_retention_map_of_a_chain_is_what_the_cache_retains(server):
+    _, out = gen(server, ids(300, 70), 6)
+    cid = out["meta_info"]["chain_id"]
+    rec = chain(server, cid)
+    resp = retention(server, f"/chain/{cid}/retention")
+    assert resp.status_code == 200, resp.text
+    r = resp.json()
+    assert (r["chain_id"], r["status"], r["logical_len"]) == (cid, "idle", rec["processed_tokens"])
+    assert_snapkv_map(r, 300, rec["retained_rows"])
+    assert rec["retained_rows"] == BUDGET + 5
+    # SnapKV chooses per KV head: the heads of a layer do not all keep the same prompt positions
+    assert any(len({str(h["ranges"]) for h in layer["heads"]}) > 1 for layer in r["layers"])
+    sub = retention(server, f"/chain/{cid}/retention", layers="2,0", format="positions").json()
+    assert [x["layer"] for x in sub["layers"]] == [0, 2]
+    assert sub["layers"][1]["heads"][0]["positions"] == expand_ranges(r["layers"][2]["heads"][0]["ranges"])
+    assert sub["kept"] == 2 * rec["retained_rows"] * r["kv_heads"]
+    for params, field, words in (({"layers": "0,x"}, "layers", "comma-separated"),
+                                 ({"layers": str(r["num_layers"])}, "layers", "out of range"),
+                                 ({"layers": "-1"}, "layers", "out of range"),
+                                 ({"format": "csv"}, "format", "ranges, positions"),
+                                 ({"layer": "0"}, "layer", "unknown query parameter")):
+        bad = retention(server, f"/chain/{cid}/retention", **params)
+        assert bad.status_code == 400 and bad.json()["param"] == field and words in bad.json()["message"], bad.text
+    missing = retention(server, "/chain/chain-nope/retention")
+    assert missing.status_code == 404 and missing.json()["message"] == "unknown chain 'chain-nope'", missing.text
+    requests.delete(f"{server.base_url}/chain/{cid}", timeout=60)
+    assert retention(server, f"/chain/{cid}/retention").status_code == 404
+    assert_rows_accounted(server)
+
+
+def test_retention_map_of_a_running_request_then_404_once_it_finished(server):
+    rid, prompt = "retention-running", 200
+    body = {"input_ids": ids(prompt, 71), "rid": rid,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}}
+    mid, first, _ = stream_and_get(server, body, f"/sparse/requests/{rid}/retention")
+    assert mid.status_code == 200, mid.text
+    r = mid.json()
+    assert r["rid"] == rid and prompt <= r["logical_len"] < prompt + 32
+    assert_snapkv_map(r, prompt, BUDGET + r["logical_len"] - prompt)  # compacted after the prompt
+    gone = retention(server, f"/sparse/requests/{rid}/retention")
+    assert gone.status_code == 404 and gone.json()["param"] == "rid" and "no running request" in gone.text
+    requests.delete(f"{server.base_url}/chain/{first['meta_info']['chain_id']}", timeout=60)
+    assert_rows_accounted(server)

@@ -12,7 +12,7 @@ import threading
 import pytest
 import requests
 
-from conftest import start_server
+from conftest import expand_ranges, start_server
 
 BUDGET, WINDOW, POOL = 64, 8, 4096
 ARGS = ["--max-total-tokens", str(POOL), "--chunked-prefill-size", "128", "--log-level", "warning",
@@ -98,6 +98,7 @@ def test_a_chain_resumes_over_per_layer_rows(server):
     rec = requests.get(f"{server.base_url}/chain/{cid}", timeout=60).json()
     assert rec["status"] == "idle" and rec["processed_tokens"] == 405
     assert rec["retained_rows"] < 120  # ceil(sum of per-layer budgets / layers) + decoded rows
+    assert_per_layer_map(server, cid, rec, 400, 5)
     idle_rows_accounted(server)
     p2 = p1 + o1["output_ids"] + ids(50, 8)
     o2 = gen(server, p2, 6, cid)
@@ -108,3 +109,25 @@ def test_a_chain_resumes_over_per_layer_rows(server):
     assert s["chain_idle_rows"] < 130
     requests.delete(f"{server.base_url}/chain/{cid}", timeout=60)
     assert idle_rows_accounted(server)["kv_free_slots"] == free0
+
+
+def assert_per_layer_map(server, cid: str, rec: dict, prompt: int, tail: int):
+    """The chain's retention map: one budget per layer (every KV head alike), budgets that differ
+    across layers and fill the engine rows the chain holds, the window and the ``tail`` decoded
+    tokens (appended to every layer after the compaction) kept everywhere."""
+    r = requests.get(f"{server.base_url}/chain/{cid}/retention", timeout=60).json()
+    end = prompt + tail
+    assert (r["method"], r["logical_len"], r["retained_rows"]) == ("pyramidkv", end, rec["retained_rows"])
+    counts = []
+    for layer in r["layers"]:
+        per_head = {h["kept"] for h in layer["heads"]}
+        assert len(per_head) == 1, layer
+        counts.append(per_head.pop())
+        for h in layer["heads"]:
+            kept = expand_ranges(h["ranges"])
+            assert len(kept) == h["kept"] and kept == sorted(set(kept)) and 0 <= kept[0] and kept[-1] < end
+            assert set(range(prompt - WINDOW, end)) <= set(kept)
+    assert len(set(counts)) > 1  # the pyramid
+    # K = ceil(sum of the layers' budgets / layers) engine rows hold them, then the tail's rows
+    budgets, engine = [c - tail for c in counts], rec["retained_rows"] - tail
+    assert (engine - 1) * len(budgets) < sum(budgets) <= engine * len(budgets)

@@ -11,7 +11,7 @@ import time
 import pytest
 import requests
 
-from conftest import assert_every_slot_owned_once, start_server
+from conftest import assert_every_slot_owned_once, expand_ranges, start_server, stream_and_get
 
 POOL = 1536
 ARGS = ["--max-total-tokens", str(POOL), "--chunked-prefill-size", "256", "--log-level", "warning",
@@ -118,6 +118,8 @@ def test_cancelled_queued_continuation_does_not_leave_its_chain_active(server):
     waiting.start()
     time.sleep(2)
     assert requests.get(f"{url}/chain/{cid}", timeout=60).json()["status"] == "active"
+    queued = requests.get(f"{url}/sparse/requests/queued-cont/retention", timeout=60)
+    assert queued.status_code == 409 and "still waiting" in queued.json()["message"], queued.text
     requests.post(url + "/abort_request", json={"rid": "queued-cont"}, timeout=60)
     waiting.join()
     long.join()
@@ -139,3 +141,29 @@ def test_a_finished_request_is_split_at_its_prompt_as_sglang_does(server):
                            json={"token_ids": seq, "cache_salt": "split"}).json()["blocks"]
     assert [(b["start"], b["end"]) for b in blocks] == [(0, 60), (60, 67)]
     assert [b["priority"] for b in blocks] == [1, 0]
+
+
+def assert_everything_kept(r, logical_len):
+    assert r["method"] == "dense" and r["logical_len"] == logical_len and r["kept_fraction"] == 1.0
+    assert len(r["layers"]) == r["num_layers"] > 0
+    for layer in r["layers"]:
+        assert [h["ranges"] for h in layer["heads"]] == [[[0, logical_len]]] * r["kv_heads"], layer
+
+
+def test_retention_of_full_kv_requests_and_chains_is_every_position(server):
+    rid, prompt = "retention-dense", ids(120, 30)
+    body = {"input_ids": prompt, "rid": rid, "sampling_params": {"temperature": 0, "max_new_tokens": 32,
+                                                                 "ignore_eos": True}}
+    mid, first, _ = stream_and_get(server, body, f"/sparse/requests/{rid}/retention")
+    assert mid.status_code == 200, mid.text
+    r = mid.json()
+    assert r["rid"] == rid and 120 <= r["logical_len"] == r["retained_rows"] < 152
+    assert_everything_kept(r, r["logical_len"])
+    missing = requests.get(f"{server.base_url}/sparse/requests/{rid}/retention", timeout=60)
+    assert missing.status_code == 404 and "no running request" in missing.json()["message"], missing.text
+    cid = first["meta_info"]["chain_id"]
+    c = requests.get(f"{server.base_url}/chain/{cid}/retention", params={"format": "positions"}, timeout=60).json()
+    assert c["chain_id"] == cid and c["status"] == "idle"
+    assert_everything_kept(c, 151)  # the pinned path: prompt + every output token but the last
+    assert c["layers"][-1]["heads"][0]["positions"] == expand_ranges([[0, 151]])
+    requests.delete(f"{server.base_url}/chain/{cid}", timeout=60)

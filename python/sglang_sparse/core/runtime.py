@@ -33,6 +33,8 @@ import torch
 from sglang_sparse.core.cache_manager import CacheManager
 from sglang_sparse.core.events import DecodeBatch, LayerInput, StepInfo
 from sglang_sparse.core.memory_oracle import MemoryOracle
+from sglang_sparse.core.retained import RetainedMap
+from sglang_sparse.core.retention import resident_positions
 from sglang_sparse.core.views import DecodeView, PagedDecodeView
 
 
@@ -127,6 +129,13 @@ class SparseMethodRuntime:
         or admitted this round), counting what each still needs over its life; ``cached`` units
         of its prompt are shared from the radix cache. True by default."""
         return True
+
+    def kept_positions(self, retained: RetainedMap, metadata: dict) -> list[torch.Tensor]:
+        """The retention map of a running request or a parked chain with this map and metadata
+        (``core/retention``): per layer ``[kv_heads, n_l]``, the ascending logical positions whose
+        KV the method keeps. Default: the positions the resident rows hold. A method that keeps KV
+        outside the engine's rows (quantized blocks, a host tier) adds those."""
+        return resident_positions(retained)
 
     def bump(self, counter: str, n: int = 1) -> None:
         self.counters[counter] = self.counters.get(counter, 0) + n

@@ -56,6 +56,7 @@ from sglang_sparse.core.eviction import EvictingRuntime
 from sglang_sparse.core.events import DecodeBatch, StepInfo
 from sglang_sparse.core.memory_oracle import MemoryOracle
 from sglang_sparse.core.quant_store import QuantizedBlockStore
+from sglang_sparse.core.retention import resident_positions, with_prefix
 from sglang_sparse.core.views import QuantizedDecodeView
 from sglang_sparse.registry import ConfigError, check_range, register_method
 
@@ -176,6 +177,12 @@ class KIVIRuntime(EvictingRuntime):
     def release_parked(self, metadata: dict) -> None:
         if metadata.get("kivi_blocks"):
             self.blocks.free(metadata["kivi_blocks"])
+
+    def kept_positions(self, retained, metadata: dict) -> list[torch.Tensor]:
+        """The resident rows (the full-precision residual) plus logical ``[0, blocks * group)``,
+        which the quantized blocks hold (kept, at ``bits`` bits)."""
+        prefix = len(metadata.get("kivi_blocks", [])) * self.config.group
+        return with_prefix(resident_positions(retained), prefix)
 
     def prefix_kv(self, rid: str, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A resumed chain's quantized history, dequantized for its prefill chunks (a new

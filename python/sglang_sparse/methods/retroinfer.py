@@ -60,6 +60,7 @@ from sgl_kernel_sparse.retro import build_wave_index
 from sglang_sparse.core.eviction import EvictingRuntime
 from sglang_sparse.core.events import LayerInput, StepInfo
 from sglang_sparse.core.memory_oracle import MemoryOracle
+from sglang_sparse.core.retention import all_positions
 from sglang_sparse.core.tiered_store import ClusterCache, HostRows
 from sglang_sparse.core.views import ComputedDecodeView
 from sglang_sparse.registry import ConfigError, check_range, register_method
@@ -189,6 +190,11 @@ class RetroInferRuntime(EvictingRuntime):
             self.index_bytes -= sum(x.nbytes for x in layers)
         self.host.drop(rid)
         self.tiers.drop(rid)
+
+    def kept_positions(self, retained, metadata: dict) -> list[torch.Tensor]:
+        """Every position: the cold rows ``[sinks, L - local)`` live in the host tier (attended
+        through the index), the rest stays resident."""
+        return all_positions(retained)
 
     def finish_step(self, step: StepInfo) -> None:
         kept = self.config.sinks + self.config.local

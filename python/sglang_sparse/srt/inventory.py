@@ -190,6 +190,7 @@ PATCHES: tuple[Patch, ...] = (
     # -- HTTP process: routes ------------------------------------------------------------------------------
     _route("/sparse/info", ("GET",), "status:sparse_info"),
     _route("/sparse/stats", ("GET",), "status:sparse_stats"),
+    _route("/sparse/requests/{rid}/retention", ("GET",), "status:request_retention"),
     _route("/prune", ("POST",), "prune.http:prune"),
     _route("/prune/{prune_id}", ("GET",), "prune.http:get_prune"),
     _route("/prefix/inspect", ("POST",), "prune.http:inspect_prefix"),
@@ -198,6 +199,7 @@ PATCHES: tuple[Patch, ...] = (
     _route("/chain", ("GET",), "status:list_chains", "chain_cache"),
     _route("/chain/{chain_id}", ("GET",), "status:get_chain", "chain_cache"),
     _route("/chain/{chain_id}", ("DELETE",), "status:delete_chain", "chain_cache"),
+    _route("/chain/{chain_id}/retention", ("GET",), "status:chain_retention", "chain_cache"),
     # -- the one attribute on SGLang objects ---------------------------------------------------------------
     Patch("attribute:req.sparse", "attribute", f"{S}managers.schedule_batch.Req.sparse", "", "scheduler", "active",
           "sglang_sparse's per-request state (state.ReqSparse); the only attribute set on SGLang's objects"),

@@ -6,13 +6,16 @@
   scheduler.
 - HTTP side: ``GET /sparse/info`` (the launcher's record and each scheduler's), ``GET
   /sparse/stats`` (``scheduler_stats`` of each scheduler), ``GET /chain``, ``GET|DELETE
-  /chain/{id}``.
+  /chain/{id}``, and the retention maps ``GET /chain/{id}/retention`` and ``GET
+  /sparse/requests/{rid}/retention`` (built in the scheduler: ``chains/retention.py``).
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+
+from fastapi import Request  # the retention handlers' annotation (FastAPI resolves it by name)
 
 from sglang_sparse import __version__
 from sglang_sparse.srt import activation
@@ -192,3 +195,40 @@ async def get_chain(chain_id: str):
 async def delete_chain(chain_id: str):
     """DELETE /chain/{chain_id}: drop a chain no request is using and free its rows."""
     return await call(ops.ChainDelete(chain_id))
+
+
+RETENTION_FORMATS = ("ranges", "positions")
+
+
+def _retention_query(request) -> dict:
+    """``?layers=0,5`` (only those layers) and ``?format=ranges|positions`` (``positions``: plain
+    lists besides the runs); anything else is a 400 that names the parameter."""
+    q = request.query_params
+    unknown = sorted(set(q) - {"layers", "format"})
+    if unknown:
+        raise RequestError(unknown[0], f"unknown query parameter {show(unknown[0])}; the retention map takes "
+                                       "layers and format")
+    layers = None
+    if "layers" in q:
+        try:
+            layers = [int(x) for x in q["layers"].split(",")]
+        except ValueError:
+            raise RequestError("layers", "layers must be comma-separated layer indices such as 0,5; got "
+                                         f"{show(q['layers'])}") from None
+    fmt = q.get("format", "ranges")
+    if fmt not in RETENTION_FORMATS:
+        raise RequestError("format", f"format must be one of {', '.join(RETENTION_FORMATS)}; got {show(fmt)}")
+    return {"layers": layers, "positions": fmt == "positions"}
+
+
+@admin_route
+async def chain_retention(chain_id: str, request: Request):
+    """GET /chain/{chain_id}/retention: the logical positions the chain keeps, per layer and KV
+    head (404 unknown, 410 reclaimed or invalidated)."""
+    return await call(ops.ChainRetention(chain_id, **_retention_query(request)))
+
+
+@admin_route
+async def request_retention(rid: str, request: Request):
+    """GET /sparse/requests/{rid}/retention: the same for a running request (404 once it finished)."""
+    return await call(ops.RequestRetention(rid, **_retention_query(request)))

@@ -11,13 +11,17 @@ import types
 from sglang_sparse.core.chain_index import ChainError
 from sglang_sparse.srt import metrics
 from sglang_sparse.srt.admin import ops
+from sglang_sparse.srt.chains import retention
 from sglang_sparse.srt.chains import scheduler as chains
 from sglang_sparse.srt.prune import scheduler as prune
+from sglang_sparse.validation import RequestError
 
 logger = logging.getLogger("sglang_sparse")
 
 HANDLERS = types.MappingProxyType({
     ops.ChainDelete: lambda scheduler, op: chains.delete(op.chain_id),
+    ops.ChainRetention: retention.of_chain,
+    ops.RequestRetention: retention.of_request,
     ops.PrunePlan: prune.plan,
     ops.PruneApply: prune.apply,
     ops.PruneForget: lambda scheduler, op: prune.forget(op),
@@ -28,11 +32,14 @@ HANDLERS = types.MappingProxyType({
 
 
 def run(scheduler, op) -> dict:
-    """One operation: its result, or ``{"status": code, "message": ...}`` for a refusal."""
+    """One operation: its result, or ``{"status": code, "message": ..., "param": ...}`` for a
+    refusal (``param``: the field a RequestError names)."""
     try:
         return HANDLERS[type(op)](scheduler, op)
     except (ChainError, prune.PruneError) as err:
         return {"status": err.status, "message": err.message}
+    except RequestError as err:
+        return {"status": err.status, "message": err.message, "param": err.field}
 
 
 def around_dumper_control(original, scheduler, recv_req, *args, **kwargs):

@@ -83,5 +83,5 @@ async def call(op) -> dict:
                                "has the details", status=500)
     result = out.response[0]
     if isinstance(result.get("status"), int) and result["status"] >= 400:
-        raise RequestError("", result["message"], status=result["status"])
+        raise RequestError(result.get("param") or "", result["message"], status=result["status"])
     return result

@@ -22,6 +22,25 @@ class ChainDelete:
 
 
 @dataclass(frozen=True)
+class ChainRetention:
+    """``GET /chain/{id}/retention``: the logical positions the chain keeps, per layer and KV
+    head (``layers``: only those; ``positions``: plain lists besides the runs)."""
+
+    chain_id: str
+    layers: list | None = None
+    positions: bool = False
+
+
+@dataclass(frozen=True)
+class RequestRetention:
+    """``GET /sparse/requests/{rid}/retention``: the same for a running request."""
+
+    rid: str
+    layers: list | None = None
+    positions: bool = False
+
+
+@dataclass(frozen=True)
 class PrunePlan:
     """``POST /prune`` step 1: check the intervals, remember what they retain."""
 
@@ -70,7 +89,7 @@ class PrefixDelete:
     cache_salt: str | None = None
 
 
-OPERATIONS = (ChainDelete, PrunePlan, PruneApply, PruneForget, PrefixInspect, PrefixPriority, PrefixDelete)
+OPERATIONS = (ChainDelete, ChainRetention, RequestRetention, PrunePlan, PruneApply, PruneForget, PrefixInspect, PrefixPriority, PrefixDelete)
 
 
 def encode(op) -> tuple[str, dict]:
