@@ -58,6 +58,9 @@ GPU_FLAGS = ["--load-format", "dummy", "--attention-backend", "triton", "--sampl
 # hooks; with them, the 8B shape runs out of memory while capturing at 0.80)
 
 
+ONLINE_INTERVAL = {"h2o": 32, "rkv": 128}  # rows past the budget before the next eviction
+
+
 def variant(name: str, budget: int) -> tuple[str, list[str]]:
     """(module, extra flags) of a variant; sparse methods get ``budget`` tokens."""
     flags = {
@@ -73,6 +76,11 @@ def variant(name: str, budget: int) -> tuple[str, list[str]]:
         # sinks + recent = the budget; 16 more rows at most between evictions
         "streamingllm": ["--sparse-method", "streamingllm", "--sparse-sinks", "4", "--sparse-recent",
                          str(budget - 4), "--sparse-evict-every", "16", "--chain-cache", "off"],
+        # online eviction back to the budget every ONLINE_INTERVAL rows (prefill and decode)
+        "h2o": ["--sparse-method", "h2o", "--sparse-budget", str(budget), "--sparse-recent", str(budget // 4),
+                "--sparse-interval", str(ONLINE_INTERVAL["h2o"]), "--chain-cache", "off"],
+        "rkv": ["--sparse-method", "rkv", "--sparse-budget", str(budget), "--sparse-interval",
+                str(ONLINE_INTERVAL["rkv"]), "--chain-cache", "off"],
         "fp8": ["--sparse-method", "fp8", "--page-size", "16"],
         # 2-bit, G = 32, R = 128; a quarter of the pool's bytes stays full-precision slots
         "kivi": ["--sparse-method", "kivi", "--sparse-bits", "2", "--chain-cache", "off"],
@@ -181,6 +189,8 @@ def capacity_batch(name: str, args) -> int:
         return (pool - L) // (rows + N) + 1
     if name == "streamingllm":
         return (pool - L) // (args.budget + 16) + 1
+    if name in ONLINE_INTERVAL:  # never more than budget + interval rows once the prompt is in
+        return (pool - L) // (args.budget + ONLINE_INTERVAL[name]) + 1
     if name == "kivi":  # every request's history in 2-bit blocks (3/4 of the pool's bytes)
         from sglang_sparse.core.quant_store import QuantizedBlockStore
         from sglang_sparse.methods.kivi import KIVIConfig

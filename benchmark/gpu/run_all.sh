@@ -12,9 +12,14 @@
 #   tests-omnikv    OmniKV kernels == references; OmniKV graphs == eager                  ~4 min
 #   tests-compile   dense, Quest and OmniKV with --enable-torch-compile == eager (dense passed;
 #                   Quest and OmniKV not yet completed on a GPU)
+#   tests-online    H2O and R-KV: scores accumulated inside the decode graphs == eager evictions
+#   tests-skipkv    SkipKV alone of the above (~2 min)
+#   tests-compile-quest  Quest alone with --enable-torch-compile == eager (a 400 s start allowed)
 # Benchmarks:
 #   kernels   sgl-kernel-sparse microbenchmarks (bandwidth against the HBM ceiling)      ~2 min
 #   capacity  8B shape, 32K in / 2K out: largest resident batch, dense vs SnapKV(2048)   ~7 min
+#   capacity393k  the same at a 393,216-token pool: SnapKV (batch 89), then dense over 16/32 splits ~9.5 min
+#   capacity-eviction  R-KV, SnapKV and dense (16 splits) at a 98,304-token pool               ~6 min
 #   matched   8B shape, 32K: plain SGLang vs dense vs Quest(2048) at batch 1 2 4 8       ~8 min
 #   matched128k-dense   8B shape, 128K, batch 1 2 4: dense tuned over 32 / 64 kv splits  ~9 min
 #   matched128k-sparse  the same prompts: Quest(2048) and OmniKV(2048)                   ~9 min
@@ -56,6 +61,11 @@ for stage in "$@"; do
       gpu_tests "$stage" test/test_gpu_server.py -k "omnikv and not torch_compile" ;;
     tests-compile)
       gpu_tests "$stage" test/test_gpu_server.py -k "torch_compile" ;;
+    tests-online)
+      gpu_tests "$stage" test/test_gpu_server.py -k "online" ;;
+    tests-compile-quest)  # start_server allows 400 s; the whole stage is cut at 420 s
+      timeout 420 python3 -m pytest -q -m gpu -rA test/test_gpu_server.py \
+        -k "torch_compile and quest" 2>&1 | tail -40 | tee "$OUT/gpu_$stage.txt" ;;
     kernels)
       python3 sgl-kernel-sparse/bench/bench_kernels.py --out "$OUT/kernels.json" --no-ref 2>&1 | tee "$OUT/kernels.txt" ;;
     capacity)
@@ -78,6 +88,18 @@ for stage in "$@"; do
       python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 131072 --output-len 64 \
         --batches 1 2 4 --pool 540672 --methods dense quest --tune dense quest --kv-splits 64 \
         --out long_matched_128k_quest.json -- --cuda-graph-bs-decode 1 2 4 2>&1 | tee "$OUT/$stage.txt" ;;
+    capacity393k)  # issue 15's pool: SnapKV first (its 89 prompts prefill for ~5 min), then dense
+      timeout 560 python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 393216 \
+        --prompt-len 32768 --output-len 2048 --methods snapkv dense --tune dense --kv-splits 16 32 \
+        --timeout 400 --out long_capacity_32k_393k.json \
+        -- --cuda-graph-bs-decode 1 2 4 8 11 16 32 64 96 2>&1 | tee "$OUT/$stage.txt" ;;
+    tests-skipkv)
+      gpu_tests "$stage" test/test_gpu_server.py -k "online and skipkv" ;;
+    capacity-eviction)  # issue 16: R-KV next to SnapKV and dense at a 98,304-token pool, one run
+      timeout 330 python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 98304 \
+        --prompt-len 32768 --output-len 2048 --methods dense rkv snapkv --tune dense --kv-splits 16 \
+        --timeout 200 --out "$OUT/long_capacity_32k_eviction.json" \
+        -- --cuda-graph-bs-decode 1 2 4 8 16 32 2>&1 | tee "$OUT/$stage.txt" ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "=== $stage took $((SECONDS - start)) s"
