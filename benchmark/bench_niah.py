@@ -51,6 +51,14 @@ CONFIGS = {
     "retroinfer@256": ["--sparse-method", "retroinfer", "--sparse-retrieve", "16", "--sparse-tokens-per-cluster", "16"],
     "retroinfer@1024": ["--sparse-method", "retroinfer", "--sparse-retrieve", "64", "--sparse-tokens-per-cluster",
                         "16"],
+    # online eviction (issue 16): H2O's recent window a quarter of the budget; R-KV and SkipKV
+    # at their own defaults apart from the budget
+    "h2o@256": ["--sparse-method", "h2o", "--sparse-budget", "256", "--sparse-recent", "64", "--chain-cache", "off"],
+    "h2o@1024": ["--sparse-method", "h2o", "--sparse-budget", "1024", "--sparse-recent", "256", "--chain-cache", "off"],
+    "rkv@256": ["--sparse-method", "rkv", "--sparse-budget", "256", "--chain-cache", "off"],
+    "rkv@1024": ["--sparse-method", "rkv", "--sparse-budget", "1024", "--chain-cache", "off"],
+    "skipkv@256": ["--sparse-method", "skipkv", "--sparse-budget", "256", "--chain-cache", "off"],
+    "skipkv@1024": ["--sparse-method", "skipkv", "--sparse-budget", "1024", "--chain-cache", "off"],
     "fp8": ["--sparse-method", "fp8"],
     "kivi-2bit": ["--sparse-method", "kivi", "--sparse-bits", "2"],
     "kivi-4bit": ["--sparse-method", "kivi", "--sparse-bits", "4"],
