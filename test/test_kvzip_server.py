@@ -5,9 +5,10 @@ engine/probe.py). Keep ratio 1.0 keeps every context row, so greedy output equal
 on the client's prompt; the probe rows are released (exact slot accounting, no leak); the
 retention map of a running request holds exactly the logical positions ``[0, prompt + decoded)``
 (no probe position); streaming and the OpenAI route see only generated tokens; errors are 400
-sentences. A second server at keep ratio 0.3 keeps per layer and head what the global threshold
-allows (``kvzip_keep_mask``'s count, checked through the method counters), sinks and the last
-prompt token always."""
+sentences. A second server at keep ratio 0.3 keeps, per layer and KV head, exactly the positions of the
+plain-torch reference (``kvzip_probe_scores`` / ``kvzip_keep_mask`` on HF's q and k of the same
+prefill; the global mask's count also checked through the method counters), the sinks and the
+last prompt token always."""
 
 from __future__ import annotations
 
@@ -51,6 +52,38 @@ def probe_len(tok, ids) -> int:
     from sglang_sparse.methods.kvzip import KVzipConfig, KVzipRuntime
 
     return len(KVzipRuntime.probe_ids(KVzipConfig(), ids[:-1], lambda t: tok.encode(t, add_special_tokens=False)))
+
+
+def kvzip_reference(model, tok, ids, ratio):
+    """The plain-torch reference on HF's tensors of the same request: post-RoPE q and k of
+    ``prompt[:-1] + probe`` (what the server prefills), ``kvzip_probe_scores`` per layer,
+    ``kvzip_keep_mask`` over all layers and heads, each layer widened as the store keeps it.
+    Returns (per layer ``[Hkv, B_l]`` kept context positions, the global mask's count)."""
+    from sgl_kernel_sparse.reference import kvzip_keep_mask, kvzip_probe_scores
+    from transformers.models.llama import modeling_llama
+
+    from sglang_sparse.methods.kvzip import KVzipConfig, KVzipRuntime, widen_to_layer
+
+    ctx = ids[:-1]
+    probe = KVzipRuntime.probe_ids(KVzipConfig(), ctx, lambda t: tok.encode(t, add_special_tokens=False))
+    seen, rope = [], modeling_llama.apply_rotary_pos_emb
+
+    def record(q, k, *args, **kwargs):
+        q2, k2 = rope(q, k, *args, **kwargs)
+        seen.append((q2[0].transpose(0, 1), k2[0].transpose(0, 1)))  # [T, H, D] per layer
+        return q2, k2
+
+    modeling_llama.apply_rotary_pos_emb = record
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ctx + probe]))
+    finally:
+        modeling_llama.apply_rotary_pos_emb = rope
+    c = len(ctx)
+    pos = torch.arange(c, c + len(probe))
+    scores = torch.stack([kvzip_probe_scores(q[c:].float(), k.float(), pos, c) for q, k in seen])
+    mask = kvzip_keep_mask(scores, ratio)
+    return [widen_to_layer(mask[layer], scores[layer]) for layer in range(scores.shape[0])], int(mask.sum())
 
 
 def stats(server) -> dict:
@@ -116,6 +149,11 @@ def test_refusals_are_sentences(full):
     too_long = gen(full, [1000 + i for i in range(POOL * 2 // 3)], 4)  # fits the pool, + probe does not
     assert too_long.status_code == 400
     assert "input_ids gives a prompt of" in too_long.text and "reconstruction probe" in too_long.text, too_long.text
+    parallel = requests.post(full.base_url + "/generate", timeout=300, json={
+        "input_ids": [1000, 1001, 1002], "sampling_params": {"max_new_tokens": 2, "n": 2}})
+    assert parallel.status_code == 400 and "parallel samples" in parallel.text, parallel.text
+    one = gen(full, [1000], 2)  # no context to score: served without a probe
+    assert one.status_code == 200 and one.json()["meta_info"]["prompt_tokens"] == 1, one.text
     chain = gen(full, [1000, 1001, 1002], 2, chain_id="c1")
     assert chain.status_code == 400 and "does not support Chain Cache" in chain.text, chain.text
     assert stats(full)["kv_free_slots"] == stats(full)["kv_total_slots"]
@@ -144,7 +182,7 @@ def third(request, full, default_model_dir):
 
 
 def test_global_threshold_counts_sinks_and_last_token_kept(third, hf):
-    tok, _ = hf
+    tok, model = hf
     ids = tok.encode(PROMPTS[1] * 2)
     c0 = stats(third)["counters"]
     body = {"input_ids": ids, "rid": "kvzip-ratio", "sampling_params": {"temperature": 0, "max_new_tokens": 8,
@@ -155,9 +193,12 @@ def test_global_threshold_counts_sinks_and_last_token_kept(third, hf):
     ret, c1 = mid.json(), stats(third)["counters"]
     ctx, n, layers, heads = len(ids) - 1, ret["logical_len"], ret["num_layers"], ret["kv_heads"]
     assert c1["kvzip_probes"] == c0["kvzip_probes"] + 1
+    ref_keep, ref_selected = kvzip_reference(model, tok, ids, RATIO)
     widened = 0
     for layer in ret["layers"]:
         per_head = [expand_ranges(h["ranges"]) for h in layer["heads"]]
+        want = ref_keep[layer["layer"]].tolist()  # the reference's kept context positions per head
+        assert [[p for p in kept if p < ctx] for kept in per_head] == want, layer["layer"]
         context_kept = {len([p for p in kept if p < ctx]) for kept in per_head}
         assert len(context_kept) == 1  # B_l rows per head in a layer
         widened += context_kept.pop() * heads
@@ -167,7 +208,7 @@ def test_global_threshold_counts_sinks_and_last_token_kept(third, hf):
     # the global selection keeps floor(ratio * layers * heads * context) entries; the store widens
     # each layer to its widest head (counted in kvzip_padded_entries)
     selected = widened - (c1["kvzip_padded_entries"] - c0["kvzip_padded_entries"])
-    assert selected == int(RATIO * layers * heads * ctx)
+    assert selected == int(RATIO * layers * heads * ctx) == ref_selected
     assert widened < 0.8 * layers * heads * ctx
     s = stats(third)
     assert s["running_requests"] == 0 and s["integrity"]["ok"] and s["kv_free_slots"] == s["kv_total_slots"]

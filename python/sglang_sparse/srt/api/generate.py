@@ -341,7 +341,7 @@ def around_generate_request(original, manager, obj, request=None, *args, **kwarg
     it (``chains.after_abort_request``): the retry is answered 410 at once."""
     chain_id = _named_chain(obj) if chains_on() else None
     if chain_id is None:
-        return watch_first_output(probe.fix_prompt_tokens(original(manager, obj, request, *args, **kwargs)))
+        return watch_first_output(probe.fix_prompt_tokens(original(manager, obj, request, *args, **kwargs), obj))
     if obj.rid is None:
         import uuid
 

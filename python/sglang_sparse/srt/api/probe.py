@@ -15,7 +15,8 @@ rewritten in place to ``prompt[:N-1] + probe_ids(prompt[:N-1])`` (N - 1 + S toke
 
 The scheduler reports ``len(origin_input_ids) = N + S`` prompt tokens; ``fix_prompt_tokens``
 gives the client its N back (``meta_info.prompt_tokens``, hence OpenAI ``usage``).
-A one-token prompt has no context to score and is served as is.
+A one-token prompt has no context to score and is served as is; ``n > 1`` (parallel samples of
+one prompt) is refused with a 400.
 """
 
 from __future__ import annotations
@@ -54,10 +55,14 @@ def rewrite_prompt(manager, obj, input_ids: list, field: str) -> None:
     if found is None or len(input_ids) < 2:
         return
     runtime, config, method = found
+    sp = obj.sampling_params if isinstance(obj.sampling_params, dict) else {}
+    n = sp.get("n", 1)
+    if (getattr(obj, "parallel_sample_num", 1) or 1) > 1 or (isinstance(n, int) and n > 1):
+        raise RequestError("n", f"--sparse-method {method} prefills a reconstruction probe per request and cannot "
+                                "serve parallel samples of one prompt (n > 1) yet: send n = 1, as separate requests")
     tokenizer = manager.tokenizer
     context = list(input_ids[:-1])
     probe = runtime.probe_ids(config, context, lambda text: tokenizer.encode(text, add_special_tokens=False))
-    sp = obj.sampling_params if isinstance(obj.sampling_params, dict) else {}
     max_new = sp.get("max_new_tokens") or 0
     prefill = len(context) + len(probe)
     max_input = manager.max_req_input_len  # the scheduler's limit (KV pool, context length)
@@ -82,8 +87,9 @@ def rewrite_prompt(manager, obj, input_ids: list, field: str) -> None:
         _hidden()[obj.rid] = len(probe)
 
 
-def fix_prompt_tokens(outputs):
-    """Wrap ``generate_request``'s outputs: ``meta_info.prompt_tokens`` without the probe."""
+def fix_prompt_tokens(outputs, obj):
+    """Wrap ``generate_request``'s outputs of ``obj``: ``meta_info.prompt_tokens`` without the
+    probe. The rids' entries go when the generator ends (also on an error before any output)."""
     if _method() is None:
         return outputs
 
@@ -100,7 +106,8 @@ def fix_prompt_tokens(outputs):
                         meta["prompt_tokens"] -= hidden[rid]
                 yield out
         finally:
-            for rid in seen:
+            rids = obj.rid if isinstance(obj.rid, list) else [obj.rid]
+            for rid in seen.union(r for r in rids if isinstance(r, str)):
                 hidden.pop(rid, None)
 
     return fixed()
