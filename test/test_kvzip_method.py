@@ -96,10 +96,10 @@ def test_bad_options_get_a_sentence():
         build_config("kvzip", {"sinks": -1})
 
 
-def test_launcher_refuses_kvzip_until_the_adapter_runs_the_probe():
+def test_launcher_serves_kvzip_and_checks_its_flags():
     from sglang_sparse.srt.launcher import sparse_config
 
-    with pytest.raises(ConfigError, match="scores the prompt with a probe that the engine prefills after it"):
-        sparse_config(["--sparse-method", "kvzip", "--sparse-keep-ratio", "0.3"], log=lambda *_: None)
+    config, _ = sparse_config(["--sparse-method", "kvzip", "--sparse-keep-ratio", "0.3"], log=lambda *_: None)
+    assert config["method"] == "kvzip" and config["chain_cache"] is False
     with pytest.raises(ConfigError, match=r"keep_ratio=2.0 is out of range"):
         sparse_config(["--sparse-method", "kvzip", "--sparse-keep-ratio", "2"], log=lambda *_: None)

@@ -28,6 +28,16 @@ from sgl_kernel_sparse.reference import KVZIP_SINKS, SNAPKV_KERNEL, pool_positio
 
 POLICIES = ("snapkv", "kvzip")
 KVZIP_PROMPT = "\n\nRepeat the previous context exactly.\n"
+# a later chunk of the served method's chunked probe (methods/kvzip.py): this, then the previous
+# chunk's last tokens, then the chunk
+KVZIP_PART_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with "
+
+
+def kvzip_prompt_ids(encode) -> tuple[list[int], list[int]]:
+    """The token ids of KVzip's probe texts (``KVZIP_PROMPT``, ``KVZIP_PART_PROMPT``):
+    ``encode(text)`` tokenizes without special tokens. Shared by ``/prune`` (policy kvzip) and
+    the served method."""
+    return list(encode(KVZIP_PROMPT)), list(encode(KVZIP_PART_PROMPT))
 
 
 class PruneRequestError(ValueError):

@@ -59,6 +59,17 @@ class SparseMethodRuntime:
     reads_tokens = False
 
     @classmethod
+    def probe_ids(cls, config, context: list[int], encode) -> list[int]:
+        """``needs_engine_probe``: the probe's token ids that the engine prefills after
+        ``context`` (``encode(text)`` gives a text's token ids, no special tokens)."""
+        raise NotImplementedError
+
+    def probe_metadata(self, context_len: int) -> dict:
+        """``needs_engine_probe``: the request metadata a request starts with whose prompt is
+        ``context_len`` context tokens followed by ``probe_ids`` (engine/probe.py)."""
+        return {}
+
+    @classmethod
     def overrides(cls, hook: str) -> bool:
         """Whether this method replaces the no-op default of ``hook`` (callers skip the rest)."""
         return getattr(cls, hook) is not getattr(SparseMethodRuntime, hook)

@@ -28,9 +28,22 @@ Choices the paper leaves open (or that the store imposes):
   ``probe_tokens`` builds the paper's chunked probe text (the previous chunk's last ``tail``
   tokens start each later chunk), all chunks in one sequence;
 - the probe runs in the engine as more prefill of the same request: the engine starts the
-  request with ``metadata={"kvzip_context": P}`` and a prompt of ``P + S`` tokens (the SGLang
-  adapter does not build this yet: ``needs_engine_probe``, the launcher refuses the method);
-- Chain Cache is off (a continuation would need its own probe over the resumed rows).
+  request with ``metadata={"kvzip_context": P}`` and a prompt of ``P + S`` tokens;
+- served (``srt/api/probe.py``, ``srt/engine/probe.py``): for a client prompt of N tokens the
+  engine prefills ``context = prompt[:N-1]`` (P = N - 1) + the probe, the compaction drops every
+  probe row (``logical_len = P``), and the prompt's last token is then fed as the first decode
+  input at logical position ``N - 1`` (RoPE position too): the first generated token is predicted
+  from the prompt's last token over the compacted context, never from the end of the probe. The
+  last prompt token is therefore never scored and always kept (every layer and head; its row is
+  written after the compaction). A one-token prompt has no context to score: it is served with
+  no probe. ``meta_info.prompt_tokens`` is the client's N;
+- Chain Cache is off (a continuation would need its own probe over the resumed rows): a request
+  naming a ``chain_id`` is refused with 400, ``--chain-cache on`` at launch with a sentence.
+- limits of the served path: prompt + probe (a little over twice the prompt) must fit the
+  server's input limit (400 naming the prompt's field otherwise); a request SGLang retracts
+  (KV pool exhausted mid-decode) is re-prefilled without the probe (its prompt then holds the
+  probe tokens: served dense, output no longer the method's); logprobs of the prompt include the
+  probe tokens.
 
 Parameters: ``keep_ratio`` (0, 1], ``sinks`` (4), ``chunk`` (2048 context tokens per probe chunk),
 ``tail`` (8).
@@ -44,6 +57,7 @@ import torch
 from sgl_kernel_sparse.reference import KVZIP_SINKS, kvzip_keep_mask, kvzip_probe_scores
 
 from sglang_sparse.core.eviction import EvictingRuntime
+from sglang_sparse.core.pruning import kvzip_prompt_ids
 from sglang_sparse.core.events import DecodeBatch, LayerInput, StepInfo
 from sglang_sparse.core.memory_oracle import MemoryOracle
 from sglang_sparse.core.views import CellsDecodeView
@@ -103,6 +117,15 @@ class KVzipRuntime(EvictingRuntime):
         super().__init__(cache, MemoryOracle(retained_budget=None))
         self.tables = self.cache.enable_cell_tables()
         self.counters = {"kvzip_probes": 0, "kvzip_padded_entries": 0}
+
+    @classmethod
+    def probe_ids(cls, config: KVzipConfig, context: list[int], encode) -> list[int]:
+        """The chunked reconstruction probe after ``context`` (texts shared with ``/prune``)."""
+        repeat, repeat_part = kvzip_prompt_ids(encode)
+        return probe_tokens(context, repeat, repeat_part, [], config.chunk, config.tail)
+
+    def probe_metadata(self, context_len: int) -> dict:
+        return {CONTEXT_KEY: context_len}
 
     def decode_view_tensors(self, batch: DecodeBatch) -> CellsDecodeView:
         return CellsDecodeView(self.tables, batch.layer_id)

@@ -16,7 +16,8 @@ Conditions: ``cpu`` (CPU serving, even for plain ``sglang.launch_server``: SGLan
 there), ``active`` (a server started by ``sglang_sparse.launch_server``), ``evicting`` (its
 method evicts KV), ``per_layer_rows`` (its method compacts per layer: one flat KV allocation),
 ``payload_pool`` (its method keeps KV in its own store: a share of the pool's bytes),
-``chain_cache`` (Chain Cache on), ``check_integrity``
+``chain_cache`` (Chain Cache on), ``engine_probe`` (its method prefills a probe after the prompt),
+``check_integrity``
 (``SGLANG_SPARSE_CHECK_INTEGRITY=1``). Every entry was checked against ``SGLANG_VERSION``.
 ``GET /sparse/info`` lists what each process applied.
 """
@@ -39,7 +40,8 @@ class Patch:
     target: str
     handler: str  # "module:attribute" under sglang_sparse.srt ("" for listed kinds)
     process: str  # "all" | "main" | "scheduler"
-    when: str  # "cpu" | "active" | "evicting" | "per_layer_rows" | "payload_pool" | "chain_cache" | "check_integrity"
+    when: str  # "cpu" | "active" | "evicting" | "per_layer_rows" | "payload_pool" | "chain_cache" | "engine_probe"
+    #            | "check_integrity"
     why: str
     methods: tuple[str, ...] = ()  # routes
     applied_by: str = ""  # listed kinds: the patch whose handler does it
@@ -161,6 +163,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch("hook:metrics-idle", "after", f"{SCHED}.on_idle", "metrics:after_on_idle", "scheduler", "active",
           "the last step's state exported once the scheduler goes idle"),
     # -- HTTP process: requests -------------------------------------------------------------------------
+    Patch("hook:engine-probe-first-token", "around", f"{S}managers.schedule_batch.Req.update_finish_state",
+          "engine.probe:around_update_finish_state", "scheduler", "engine_probe",
+          "the prompt's last token, forced after the probe, moves from the output into the prompt (engine/probe.py)"),
     Patch("hook:prompt-checks", "before", f"{TOKENIZER}._validate_one_request", "api.generate:before_validate_one_request",
           "main", "active", "empty prompts and ids outside the vocabulary kill SGLang 0.5.23's scheduler"),
     Patch("hook:stream-refusals", "around", f"{TOKENIZER}.generate_request", "api.generate:around_generate_request",

@@ -125,10 +125,6 @@ def sparse_config(argv: list[str], log=logger.info) -> tuple[dict, list[str]]:
     Raises ConfigError with a sentence saying what is wrong."""
     config, argv = parse_sparse_args(argv)
     runtime = get_method(config["method"]).runtime_cls
-    if runtime.needs_engine_probe:
-        raise ConfigError(f"--sparse-method {config['method']} scores the prompt with a probe that the engine "
-                          "prefills after it, and the SGLang adapter does not run such probes yet: use it through "
-                          "the engine-agnostic core (or /prune with policy kvzip on a cached prefix)")
     config["chain_cache"], argv = _chain_cache(config["method"], runtime, argv, log)
     radix_asked = "--disable-radix-cache" not in argv  # before an evicting method turns SGLang's off
     if runtime.evicts_kv:

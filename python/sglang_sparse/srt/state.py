@@ -38,6 +38,11 @@ class ReqSparse:
     probe: Job | None = None  # this request is the scoring probe of a pruning job
     probe_cap: int | None = None  # ... whose prefix match stops here (snapkv policy)
     units: list | None = None  # cached method units its radix match starts on (KIVI's blocks)
+    # engine probe (engine/probe.py): the prompt's last token, forced as the first decode input
+    # until it moves from the output into the prompt; then ``hidden`` prompt tokens (the probe
+    # and that token) lie after the request's logical prompt
+    forced: int | None = None
+    hidden: int = 0
 
 
 def sparse(req) -> ReqSparse:
@@ -77,6 +82,7 @@ class HttpState:
     local_ids: Any = field(default_factory=lambda: itertools.count(1))
     prune_gauge: Any = None  # metrics' prune-job gauge
     inflight: dict[str, tuple[str, Any]] = field(default_factory=dict)  # chain id -> (rid, HTTP request)
+    probe_hidden: dict[str, int] = field(default_factory=dict)  # rid -> engine-probe tokens (api/probe.py)
     # set by a streaming handler, read by the generator wrapper it runs (http/requests.py)
     refusal: contextvars.ContextVar = field(
         default_factory=lambda: contextvars.ContextVar("sglang_sparse_refusal", default=None))

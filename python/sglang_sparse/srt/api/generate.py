@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from sglang_sparse.validation import RequestError, check_token_ids, expect_chain_id, expect_int, is_int, show
 from sglang_sparse.srt import activation
+from sglang_sparse.srt.api import probe
 from sglang_sparse.srt.admin.http import generate_error_response
 from sglang_sparse.srt.state import STATE
 
@@ -44,6 +45,7 @@ def before_validate_one_request(manager, obj, input_ids, *args, **kwargs):
         raise RequestError(field, f"{field} gives an empty prompt (0 tokens after tokenization); "
                                   "send at least one token")
     check_token_ids(field, input_ids, manager.model_config.vocab_size)
+    probe.rewrite_prompt(manager, obj, input_ids, field)  # methods that need the engine probe
     return None
 
 
@@ -120,6 +122,12 @@ def chains_on() -> bool:
 
 def _chains_off_message(field: str) -> str:
     config = activation.load_config()
+    from sglang_sparse.methods import get_method
+
+    method = config.get("method", "dense")
+    if not get_method(method).runtime_cls.supports_chains:
+        return (f"{field}: --sparse-method {method} does not support Chain Cache (a continuation would need its "
+                "own scoring over the resumed rows); leave chain_id out and send the whole conversation")
     return (f"{field}: Chain Cache is off on this server (--sparse-method {config.get('method', 'dense')} with "
             "--chain-cache off, or auto, which turns it on only for methods that evict KV); start the server "
             "with --chain-cache on to continue chains, or leave chain_id out")
@@ -333,7 +341,7 @@ def around_generate_request(original, manager, obj, request=None, *args, **kwarg
     it (``chains.after_abort_request``): the retry is answered 410 at once."""
     chain_id = _named_chain(obj) if chains_on() else None
     if chain_id is None:
-        return watch_first_output(original(manager, obj, request, *args, **kwargs))
+        return watch_first_output(probe.fix_prompt_tokens(original(manager, obj, request, *args, **kwargs), obj))
     if obj.rid is None:
         import uuid
 

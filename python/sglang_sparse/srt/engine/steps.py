@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from sglang_sparse.core.events import RequestSlice, StepInfo, StepMode
 from sglang_sparse.srt.chains import scheduler as chains
-from sglang_sparse.srt.engine import rows
+from sglang_sparse.srt.engine import probe, rows
 from sglang_sparse.srt.prune import scheduler as prune
 from sglang_sparse.srt.state import STATE, sparse
 
@@ -32,6 +32,12 @@ def token_ids(req, start: int, end: int, wanted: bool) -> tuple[int, ...]:
     prompt = req.origin_input_ids
     n = len(prompt)
     return tuple(prompt[start: min(end, n)]) + tuple(req.output_ids[max(start - n, 0): max(end - n, 0)])
+
+
+def prompt_len(req) -> int:
+    """The logical prompt: SGLang's prompt less the tokens an engine probe leaves after it
+    (engine/probe.py: the probe and the forced last prompt token, once they moved into it)."""
+    return len(req.origin_input_ids) - sparse(req).hidden
 
 
 def step_from_batch(batch, ctl) -> StepInfo | None:
@@ -47,7 +53,7 @@ def step_from_batch(batch, ctl) -> StepInfo | None:
             offset = known.retained.offset if known is not None else 0
             start = seq_len - 1 + offset
             slices.append(RequestSlice(req.rid, req.kv.req_pool_idx, start, start + 1, seq_len - 1,
-                                       len(req.origin_input_ids), token_ids(req, start, start + 1, tokens)))
+                                       prompt_len(req), token_ids(req, start, start + 1, tokens)))
         kind = StepMode.DECODE
     elif mode.name in ("EXTEND", "MIXED"):  # speculative verify modes are not supported
         for req, prefix, extend in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
@@ -55,7 +61,7 @@ def step_from_batch(batch, ctl) -> StepInfo | None:
             # them (a resumed chain, a pruned radix path: engine/rows.py)
             start = prefix + rows.request_offset(req)
             slices.append(RequestSlice(req.rid, req.kv.req_pool_idx, start, start + extend, prefix,
-                                       len(req.origin_input_ids), token_ids(req, start, start + extend, tokens)))
+                                       prompt_len(req), token_ids(req, start, start + extend, tokens)))
         kind = StepMode.MIXED if mode.is_mixed() else StepMode.PREFILL
     else:
         return None
@@ -87,6 +93,7 @@ def around_forward(original, worker, batch=None, *args, **kwargs):
                         r.rid, r.row_start, r.logical_start, len(units))
                     metadata = ctl.runtime.units_metadata(units)
                 sparse(req).units = None
+                metadata = probe.start_metadata(req, ctl.runtime) or metadata
                 ctl.request_started(r.rid, r.req_row, r.prompt_len, cached_len=r.row_start,
                                     cached_logical=r.logical_start, metadata=metadata)
     ctl.begin_step(step)
@@ -95,6 +102,8 @@ def around_forward(original, worker, batch=None, *args, **kwargs):
         result = original(worker, batch, *args, **kwargs)
     finally:
         st.current_step = None
+    if ctl.runtime.needs_engine_probe:
+        probe.force_first_tokens(step, batch, result)
     ctl.end_step(step)
     return result
 

@@ -90,9 +90,10 @@ def _probe_ids(plan: dict, tokens: list[int], policy: str) -> list[int]:
     observation window); kvzip appends "repeat the context" + each interval's tokens."""
     if policy == "snapkv":
         return list(tokens)
-    from sglang_sparse.core.pruning import KVZIP_PROMPT
+    from sglang_sparse.core.pruning import kvzip_prompt_ids
 
-    prompt = list(_tokenizer_manager().tokenizer.encode(KVZIP_PROMPT, add_special_tokens=False))
+    tokenizer = _tokenizer_manager().tokenizer
+    prompt, _ = kvzip_prompt_ids(lambda text: tokenizer.encode(text, add_special_tokens=False))
     ids = list(tokens) + prompt
     for left, right in plan["ranges"]:
         ids += tokens[left:right]
