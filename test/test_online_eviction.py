@@ -23,7 +23,7 @@ RKV = {"budget": 24, "window": 4, "interval": 8, "alpha": 0.3, "kernel": 3}
 def simulate(method, knobs, q, k, prompt_lens, chunk, decode_after):
     if method == "h2o":
         return ref.h2o_simulate(q, k, knobs["budget"], knobs["recent"], knobs["interval"], prompt_lens, chunk,
-                                decode_after)
+                                decode_after, evict_prefill=knobs.get("evict_prefill", "on") == "on")
     return ref.rkv_simulate(q, k, knobs["budget"], knobs["window"], knobs["interval"], knobs["alpha"],
                             knobs["kernel"], prompt_lens, chunk, decode_after)
 
@@ -88,6 +88,9 @@ class Run:
         assert ret.n_rows == (budget if freed else rows_written)
         assert self.eng.store.free_count() == self.free0 - ret.n_rows
         assert ret.n_rows <= max(budget + self.knobs["interval"], self.prompt_peak())
+        if self.method == "h2o" and self.knobs.get("evict_prefill", "on") == "on":
+            # evicted at every safe point, prompt chunks included: never interval rows past the budget
+            assert ret.n_rows < budget + self.knobs["interval"]
 
     def prompt_peak(self):
         return self.q[0].shape[0]
@@ -133,9 +136,62 @@ def test_chain_continuation_goes_on_from_the_parked_scores(method, knobs):
 
 def test_h2o_selection_does_not_depend_on_chunking():
     q, k, _ = qkv(82, seed=3)  # 70 prompt + 12 decoded
-    a = ref.h2o_simulate(q[0], k[0], 24, 8, 4, [70], 70, [12])
+    a = ref.h2o_simulate(q[0], k[0], 24, 8, 4, [70], 70, [12])  # evict_prefill=False: the prompt held whole
     b = ref.h2o_simulate(q[0], k[0], 24, 8, 4, [70], 9, [12])
     assert torch.equal(a, b)
+
+
+H2O_OFF = {**H2O, "evict_prefill": "off"}
+
+
+@pytest.mark.parametrize("prompt,chunk", [(100, 7), (100, 3), (97, 16), (24, 5), (28, 5), (60, 28)])
+def test_h2o_evicts_between_prompt_chunks_like_the_reference(prompt, chunk):
+    """Prompts of several chunks (chunk 3 < interval 4: several chunks accumulate before an
+    eviction; 24 = the budget exactly: nothing evicted; 28 = budget + interval): the kept
+    positions after every chunk and after decoding equal the chunked reference, rows stay under
+    budget + interval after every safe point, and the peak while prefilling is at most
+    budget + interval - 1 + chunk."""
+    run = Run("h2o", H2O, seed=7)
+    run.turn(prompt, chunk, 0)
+    run.assert_matches_reference(chunk)
+    evictions = run.eng.ctl.runtime.counters.get("evictions", 0)
+    if prompt <= H2O["budget"]:
+        assert evictions == 0 and run.eng.ctl.cache.retained(run.rid).is_identity
+    elif prompt >= H2O["budget"] + H2O["interval"] + chunk:  # at least one eviction before the last chunk
+        assert evictions >= 2
+    run.turn(0, chunk, 9)
+    run.assert_matches_reference(chunk)
+    run.finish()
+
+
+def test_h2o_prefill_eviction_changes_the_kept_set_and_off_restores_the_whole_prompt_scoring():
+    """The option matters: with evict_prefill=off the engine equals the unchunked reference (the
+    prompt held whole, peak = prompt); on differs from it on this prompt (rows evicted early are
+    never seen by later chunks) and equals the chunked reference (the test above)."""
+    off = Run("h2o", H2O_OFF, seed=7)
+    off.turn(100, 7, 0)
+    off.assert_matches_reference(7)
+    whole = [ref.h2o_simulate(off.q[layer], off.k[layer], 24, 8, 4, [100], 100, [0]) for layer in range(LAYERS)]
+    assert all(torch.equal(off.eng.ctl.cache.retained(off.rid).all_positions()[layer], whole[layer])
+               for layer in range(LAYERS))
+    on = Run("h2o", H2O, seed=7)
+    on.turn(100, 7, 0)
+    assert any(not torch.equal(on.eng.ctl.cache.retained(on.rid).all_positions()[layer], whole[layer])
+               for layer in range(LAYERS))
+    assert on.eng.ctl.runtime.counters["evictions"] > off.eng.ctl.runtime.counters["evictions"] == 1
+    off.finish()
+    on.finish()
+
+
+def test_h2o_memory_oracle_counts_the_chunk_not_the_prompt():
+    on = build_config("h2o", H2O)
+    from sglang_sparse.methods.h2o import H2ORuntime
+    oracle = H2ORuntime(ToyEngine("h2o", H2O).ctl.cache, on).oracle
+    assert oracle.chunked_prefill_rows(1500, 256) == 24 + 4 + 256
+    assert oracle.chunked_prefill_rows(100, 256) == 100  # one chunk: the prompt
+    assert oracle.chunked_prefill_rows(1500, None) == 1500  # chunked prefill off: the whole prompt
+    off = H2ORuntime(ToyEngine("h2o", H2O_OFF).ctl.cache, build_config("h2o", H2O_OFF)).oracle
+    assert off.chunked_prefill_rows(1500, 256) == 1500
 
 
 @pytest.mark.parametrize("method,knobs", [("h2o", H2O), ("rkv", RKV)])
@@ -208,6 +264,7 @@ def test_padding_entries_of_a_captured_batch_add_nothing(method, knobs):
     ("h2o", {"budget": 8, "recent": 8}, "budget=8 is out of range: must be > recent=8"),
     ("h2o", {"budget": 256}, "budget=256 is out of range: must be > recent=512 .* lower --sparse-recent"),
     ("h2o", {"interval": 0}, "interval=0 is out of range: must be >= 1"),
+    ("h2o", {"evict_prefill": "yes"}, "evict_prefill='yes' is not allowed: must be on .* or off"),
     ("rkv", {"interval": 4, "window": 8}, "interval=4 is out of range: must be >= 8"),
     ("rkv", {"alpha": 1.5}, r"alpha=1.5 is out of range: must be in \[0, 1\]"),
     ("rkv", {"kernel": 4}, "kernel=4 must be odd"),

@@ -27,14 +27,18 @@ class EvictingRuntime(SparseMethodRuntime):
         if rid not in self.pending:
             self.pending.append(rid)
 
-    def schedule_over_budget(self, step, kept: int, slack: int) -> None:
+    def schedule_over_budget(self, step, kept: int, slack: int, during_prefill: bool = False) -> None:
         """Online eviction's trigger (StreamingLLM, H2O, R-KV): plan a compaction for each
-        request of ``step`` past its prompt that holds more than ``kept`` rows, right after its
-        last prompt chunk, then whenever ``slack`` rows have accumulated past ``kept``. A
-        request still prefilling keeps its whole prompt."""
+        request of ``step`` that holds more than ``kept`` rows, right after its last prompt chunk,
+        then whenever ``slack`` rows have accumulated past ``kept``. A request still prefilling
+        keeps its whole prompt, unless ``during_prefill``: then a prompt chunk that leaves it
+        ``slack`` or more rows past ``kept`` is evicted too (at the safe point before the next
+        chunk, which then attends the retained rows), so a request holds at most
+        ``kept + slack - 1 + chunk`` rows while prefilling."""
         for r in step.requests:
             state = self.cache.requests.get(r.rid)
-            if state is None or r.logical_end < r.prompt_len:
+            prefilling = r.logical_end < r.prompt_len
+            if state is None or (prefilling and not during_prefill):
                 continue
             over = state.retained.n_rows - kept
             if over > 0 and (r.is_last_prompt_chunk or over >= slack):

@@ -13,14 +13,26 @@ from dataclasses import dataclass
 class MemoryOracle:
     """Rows (slots) held by one request. ``retained_budget=None``: nothing is evicted.
     ``row_cap``: a method that also evicts while decoding (StreamingLLM) never holds more rows
-    than this once its prompt is compacted."""
+    than this once its prompt is compacted. ``prefill_cap``: a method that also evicts between
+    prompt chunks (H2O) holds at most this many rows before each chunk, so at most
+    ``prefill_cap + chunk`` while one chunk is prefilled."""
 
     retained_budget: int | None = None
     row_cap: int | None = None
+    prefill_cap: int | None = None
 
     def prefill_peak_rows(self, prompt_len: int) -> int:
-        """Rows held while the prompt is prefilled (until compaction)."""
+        """Rows held while the prompt is prefilled in one piece (until compaction)."""
         return prompt_len
+
+    def chunked_prefill_rows(self, extend_len: int, chunk: int | None) -> int:
+        """Rows an extend of ``extend_len`` new tokens, prefilled in chunks of at most ``chunk``
+        tokens, holds at its peak beside the rows the request holds already: all of them,
+        unless the method evicts between chunks (``prefill_cap``), then the rows it keeps
+        before a chunk plus that chunk."""
+        if self.prefill_cap is None or not chunk or chunk <= 0:
+            return extend_len
+        return min(extend_len, self.prefill_cap + chunk)
 
     def rows_after_prefill(self, prompt_len: int) -> int:
         if self.retained_budget is None:

@@ -1,25 +1,44 @@
 """H2O (Zhang et al., NeurIPS 2023): heavy hitters by accumulated attention + a recent window,
-evicting online while decoding.
+evicting online between prompt chunks and while decoding.
 
 Score of a retained row j (per layer and KV head): the sum of the softmax attention every query
 so far paid it, ``hh[h, j] = sum_i sum_{q-head in group(h)} A_{ij}`` (fp32, causal; GQA: summed
 over the query heads of the KV head's group, so the choice is per KV head and frees physical
-rows). Every prompt query counts (each chunk's queries over the rows resident then: the whole
-prompt, which is held until its last chunk), then every decode query. When a request's rows
+rows). Every prompt query counts (each chunk's queries over the rows resident then, see When),
+then every decode query. When a request's rows
 exceed ``budget``: rows ``[n - recent, n)`` are kept, and of rows ``[0, n - recent)`` the
 ``budget - recent`` highest scores (ties to the lower row, i.e. the older token;
 ``sgl_kernel_sparse.eviction_scores.h2o_select``). Kept rows keep their scores and go on
 accumulating.
 
-When: after the prompt's last chunk (if it exceeds ``budget``), then while decoding whenever
-``interval`` rows have accumulated past ``budget``: a request holds ``budget`` to
-``budget + interval`` rows. The paper evicts one token per step (``interval=1``: a compaction,
-i.e. a KV move in every layer, per decode step); the default 32 amortises it, so heavy hitters
-are chosen among up to ``interval`` more candidates than the paper's.
+When (``evict_prefill=on``, the default): whenever a step leaves a request ``interval`` or more
+rows past ``budget`` -- a prompt chunk or a decode token -- and after the prompt's last chunk if
+it exceeds ``budget`` at all. A prompt chunk's queries attend the rows retained then (the kept
+heavy hitters + recent rows of the earlier chunks, at their logical RoPE positions) plus the
+chunk's own, so a long prompt holds at most ``budget + interval - 1 + chunk`` rows (peak) instead
+of the whole prompt, and each chunk's scoring pass is O(chunk x (budget + interval + chunk)) per
+layer instead of O(chunk x prompt). The paper scores an unchunked prompt by all its queries; with
+chunked prefill and ``evict_prefill=on`` a row evicted after chunk c is not seen (and cannot be
+rescued) by later chunks' queries: the paper's greedy online eviction (each step keeps the best
+rows among those it holds) applied at chunk granularity to the prompt too (so the kept set
+depends on the chunk size; ``eviction_scores.h2o_simulate`` with
+``evict_prefill=True`` is the reference, in the engine's order). ``evict_prefill=off``: the prompt
+is held whole until its last chunk, then evicted to ``budget`` (peak rows = prompt; the kept set
+does not depend on the chunk size). Between chunks the engine compacts at its safe point (after
+a chunk's results are processed, before the next chunk is scheduled): the request keeps its
+``req_to_token`` row, the freed slots go back to SGLang's allocator, the next chunk's prefix
+length is the retained rows and its positions are logical (``srt/engine/steps.compact_chunked``,
+``rows.follow_chunk_compaction``).
+Admission counts ``min(rest of prompt, budget + interval + chunk)`` rows for a prompt to be
+prefilled (``MemoryOracle.prefill_cap``); SGLang's tokenizer still refuses a prompt longer than
+the pool. The trigger is the decode one (``over >= interval``, ``EvictingRuntime.
+schedule_over_budget``) so prompt and decode evict alike, and a Chain Cache continuation's
+suffix is evicted between its chunks the same way, after the resumed rows.
 
-Not done: eviction between prompt chunks. SGLang's chunked request is not at a safe point
-between its chunks (its row offset is fixed at its first extend), so the prompt is held whole
-and scored by all its queries, as the paper does with an unchunked prompt; peak rows = prompt.
+While decoding, a request holds ``budget`` to ``budget + interval`` rows. The paper evicts one
+token per step (``interval=1``: a compaction, i.e. a KV move in every layer, per decode step);
+the default 32 amortises it, so heavy hitters are chosen among up to ``interval`` more
+candidates than the paper's.
 
 State: per-slot scores (``core.slot_scores``), so decode is tensor-only (``graph_decode``): each
 decode layer adds its queries' attention (``token_logits`` over the first ``budget + interval``
@@ -32,7 +51,9 @@ parked chain's slots, so a Chain Cache continuation goes on from them.
 
 Parameters: ``budget`` rows kept per layer and KV head (heavy hitters + recent; the paper's
 setting is about 10% + 10% of the sequence), ``recent`` the recent window (default: half the
-budget), ``interval`` eviction slack while decoding. Scores use ``1/sqrt(d)`` as the softmax
+budget), ``interval`` eviction slack (decode and prompt chunks), ``evict_prefill`` on|off
+(evict between prompt chunks; default on, since holding a 32K prompt whole is what H2O is meant
+to avoid and scoring it whole is an O(prompt^2) pass per layer). Scores use ``1/sqrt(d)`` as the softmax
 scale (the model's own scale is not part of a layer's input; equal for Llama / Qwen shapes).
 """
 
@@ -55,8 +76,12 @@ class H2OConfig:
     budget: int = 1024
     recent: int = 512
     interval: int = 32
+    evict_prefill: str = "on"  # "on" | "off": also evict between prompt chunks
 
     def validate(self) -> None:
+        if self.evict_prefill not in ("on", "off"):
+            raise ConfigError(f"evict_prefill={self.evict_prefill!r} is not allowed: must be on (evict back to "
+                              "the budget between prompt chunks) or off (hold the whole prompt until its last chunk)")
         check_range("recent", self.recent, 1)
         if self.budget <= self.recent:  # at least one heavy hitter
             raise ConfigError(f"budget={self.budget} is out of range: must be > recent={self.recent} (the "
@@ -71,7 +96,10 @@ class H2ORuntime(EvictingRuntime):
     def __init__(self, cache, config: H2OConfig | None = None) -> None:
         self.config = config or H2OConfig()
         c = self.config
-        super().__init__(cache, MemoryOracle(retained_budget=c.budget, row_cap=c.budget + c.interval))
+        self.evict_prefill = c.evict_prefill == "on"
+        # while prefilling, at most budget + interval - 1 rows before a chunk (cap: budget + interval)
+        super().__init__(cache, MemoryOracle(retained_budget=c.budget, row_cap=c.budget + c.interval,
+                                             prefill_cap=c.budget + c.interval if self.evict_prefill else None))
         self.scores = SlotScores(cache.store, cache.kv_heads)
 
     def on_prefill_chunk(self, layer: LayerInput) -> None:
@@ -87,7 +115,7 @@ class H2ORuntime(EvictingRuntime):
         return None
 
     def finish_step(self, step: StepInfo) -> None:
-        self.schedule_over_budget(step, self.config.budget, self.config.interval)
+        self.schedule_over_budget(step, self.config.budget, self.config.interval, during_prefill=self.evict_prefill)
 
     def plan(self, rid: str) -> torch.Tensor | None:
         ret = self.cache.requests[rid].retained

@@ -169,15 +169,17 @@ def _steps(prompt_lens, chunk, decode_after):
     return steps
 
 
-def h2o_simulate(q, k, budget, recent, interval, prompt_lens, chunk, decode_after):
+def h2o_simulate(q, k, budget, recent, interval, prompt_lens, chunk, decode_after, evict_prefill=False):
     """H2O on one layer's ``q [N, Hq, D]`` / ``k [N, Hkv, D]``: every query adds its attention to
-    the scores of the rows it sees; the prompt is held whole until its last chunk, then evicted to
-    ``budget``; while decoding, evicted back to ``budget`` once ``interval`` rows are over it.
+    the scores of the rows it sees; after the prompt's last chunk the rows are evicted to
+    ``budget`` (when over it), and after any other step once ``interval`` or more rows are over
+    it -- decode steps, and with ``evict_prefill`` prompt chunks too (the next chunk's queries
+    then see only the kept rows); without it the prompt is held whole until its last chunk.
     Returns the kept positions ``[Hkv, rows]``."""
     def evict(h, held, scores, step):
         over = len(held) - budget
         last_chunk = step[2] is not None and step[1] == step[2]
-        if step[2] is not None and not last_chunk:
+        if step[2] is not None and not last_chunk and not evict_prefill:
             return None
         if over > 0 and (last_chunk or over >= interval):
             return h2o_select(scores, budget, recent)

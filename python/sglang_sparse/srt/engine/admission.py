@@ -20,7 +20,11 @@ evicted rows back to SGLang's allocator and SGLang's decode check reads ``kv_com
 - admission (``PrefillAdder``): ``total_tokens`` and the budget reserved for a newly admitted
   request count ``controller.decode_reserve(prompt, max_new)`` decode rows instead of
   ``max_new``. The prefill chunk itself is still charged in full (``current_offset``): its rows
-  are really allocated before compaction frees them.
+  are really allocated before compaction frees them. A method that evicts between prompt chunks
+  (H2O, ``oracle.prefill_cap``) is admitted on ``min(prompt, prefill_cap + chunk)`` prompt rows
+  instead of the whole prompt: that is the most it holds at once, each later chunk is charged
+  again when SGLang schedules it (``add_chunked_req``), and SGLang admits no other request until
+  a chunked request's last chunk, so nothing else is promised the rows its later chunks take.
 
 - a method store (``runtime.store_admits``, KIVI's blocks): a request waits while its units over
   its life do not fit next to what the running requests still need (unless nothing else runs).
@@ -80,6 +84,11 @@ def _oracle_adder(base: type) -> type:
     class OracleAdmissionAdder(base):
         _oracle_prompt_len: int | None = None
 
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # this round's chunked prefill size (None: off), before any chunk is taken from it
+            self._oracle_chunk = self.rem_chunk_tokens
+
         def add_one_req(self, req, *args, **kwargs):
             ctl = STATE.scheduler.controller
             # a method store (KIVI's blocks) must hold the request too; alone (or finishing with
@@ -111,10 +120,15 @@ def _oracle_adder(base: type) -> type:
                                           state.retained.n_rows)
             return min(reserved, left)
 
-        def _check_prefill_budget(self, req, *, total_tokens, **kwargs):
+        def _check_prefill_budget(self, req, *, total_tokens, extend_input_len, **kwargs):
             max_new = self._swa_new_tokens(req)  # = the max_new that add_one_req put in total_tokens
-            reserve = STATE.scheduler.controller.oracle.decode_reserve(len(req.origin_input_ids), max_new)
-            return super()._check_prefill_budget(req, total_tokens=total_tokens - max_new + reserve, **kwargs)
+            oracle = STATE.scheduler.controller.oracle
+            reserve = oracle.decode_reserve(len(req.origin_input_ids), max_new)
+            # a method that evicts between prompt chunks (H2O) holds at most its prefill cap + one
+            # chunk of the extend at a time, not the whole extend (MemoryOracle.chunked_prefill_rows)
+            prompt = oracle.chunked_prefill_rows(extend_input_len, self._oracle_chunk)
+            total = total_tokens - max_new + reserve - extend_input_len + prompt
+            return super()._check_prefill_budget(req, total_tokens=total, extend_input_len=extend_input_len, **kwargs)
 
         def _commit_prefill_admission(self, req, *args, **kwargs):
             self._oracle_prompt_len = len(req.origin_input_ids)

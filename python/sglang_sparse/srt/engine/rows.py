@@ -11,7 +11,8 @@ A request of sglang_sparse may hold fewer rows than it has logical tokens:
  offset = N - P           RoPE position of row r (r >= P) = r + offset = its logical position
 ```
 
-P < N after SnapKV compacted a request (it keeps budget rows), for a request resuming a chain's
+P < N after SnapKV compacted a request (it keeps budget rows), after H2O compacted a request
+between two of its prompt chunks (``evict_prefill``), for a request resuming a chain's
 compacted rows, and for a request matching a pruned radix path (the tree holds P slots for N
 tokens). Here:
 
@@ -20,6 +21,7 @@ tokens). Here:
 - ``after_prepare_for_extend``: SGLang wrote the extend's slots at ``row[N:N+s]`` and counted N
   prefix rows; they move to ``row[P:P+s]`` and the lengths become rows;
 - ``follow_compaction``: at the safe point, a compacted request's lengths become its rows;
+  ``follow_chunk_compaction`` the same for a request compacted between two prompt chunks;
 - ``before_model_forward``: RoPE positions get the per-row offset (``STATE.scheduler.pos_offset``,
   indexed by ``req_to_token`` row), eager and CUDA-graph replay alike (SGLang's graph runner
   copies ``forward_batch.positions`` into its buffers after this point).
@@ -45,7 +47,8 @@ def set_row_lengths(batch, rows: dict[int, int]) -> None:
 
 
 def request_offset(req) -> int:
-    """Logical tokens without KV before the request's rows (fixed at its first extend)."""
+    """Logical tokens without KV before the request's rows (set at its first extend; a
+    compaction between prompt chunks raises it, ``follow_chunk_compaction``)."""
     st = sparse(req)
     if st.offset is None:
         st.offset = st.start_offset
@@ -83,6 +86,28 @@ def follow_compaction(batch) -> None:
         lengths[i] = known.retained.n_rows  # compacted: the request now owns rows [0, n_rows)
         STATE.scheduler.pos_offset[req.kv.req_pool_idx] = known.retained.offset
     set_row_lengths(batch, lengths)
+
+
+def follow_chunk_compaction(req) -> None:
+    """A request compacted between two prompt chunks (not in any batch):
+
+    ```
+     logical  0 ............................ N-1 | N ... N+s-1   N = req.prefix_len (SGLang's
+     rows     0 .. P-1 | (stale P .. N-1)          next chunk)   index into its fill ids, kept)
+              kept      freed slots, no longer the request's
+    ```
+
+    SGLang keeps ``req.prefix_len`` = N (its next chunk is fill ids ``[N, N+s)``); the request owns
+    rows ``[0, P)`` (``kv_allocated_len`` / ``kv_committed_len`` = P, the freed slots are back in
+    SGLang's allocator); the offset N - P becomes the request's RoPE offset, so the next
+    extend's slots move from ``row[N:N+s]`` to ``row[P:P+s]`` and get logical positions
+    (``after_prepare_for_extend``), as a resumed chain's suffix does."""
+    known = STATE.scheduler.controller.cache.requests[req.rid]
+    ret = known.retained
+    assert ret.logical_len == req.prefix_len, (req.rid, ret.logical_len, req.prefix_len)
+    req.kv.kv_allocated_len = req.kv.kv_committed_len = ret.n_rows
+    sparse(req).offset = ret.offset
+    STATE.scheduler.pos_offset[req.kv.req_pool_idx] = ret.offset
 
 
 def before_model_forward(runner, forward_batch=None, *args, **kwargs):

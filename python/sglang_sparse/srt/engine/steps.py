@@ -4,7 +4,8 @@
   ScheduleBatch into a ``StepInfo`` (logical ranges per request), ``begin_step`` before the
   model runs, ``end_step`` after it.
 - BEFORE ``ScheduleBatch.prepare_for_decode`` and ``Scheduler.get_new_batch_prefill``: the safe
-  point (``apply_safe_point``). The previous step's results are processed (finished requests
+  point (``apply_safe_point``; before a prefill also for the request between two prompt chunks,
+  ``compact_chunked``). The previous step's results are processed (finished requests
   released), nothing reads the KV, and the next slots are not allocated yet: planned compactions
   run here, and the batch's lengths follow the resident rows (``rows.follow_compaction``).
 - BEFORE ``mem_cache.common.release_kv_cache`` (``before_release``): the request leaves
@@ -132,8 +133,24 @@ def before_new_prefill(scheduler, running_batch=None, *args, **kwargs):
     full KV until the next decode step. Here the last prefill batch is already merged into the
     running batch and its results are processed."""
     apply_safe_point(running_batch)
+    compact_chunked(scheduler, running_batch)
     chains.reclaim_for(scheduler, running_batch)
     return None
+
+
+def compact_chunked(scheduler, running_batch=None) -> None:
+    """The request between two of its prompt chunks (SGLang's ``chunked_req``, in no batch now:
+    its last chunk ran and was processed, its next one is not scheduled yet) is at a safe point
+    too: a compaction its method planned after that chunk (H2O with ``evict_prefill``) runs here,
+    and its bookkeeping follows (``rows.follow_chunk_compaction``)."""
+    ctl = STATE.scheduler.controller
+    req = getattr(scheduler, "chunked_req", None)
+    if ctl is None or req is None or req.rid not in ctl.cache.requests:
+        return
+    if ctl.safe_point({req.rid}):
+        rows.follow_chunk_compaction(req)
+        if running_batch is not None:
+            running_batch.batch_is_full = False  # freed rows reopen admission (apply_safe_point)
 
 
 def before_release(req, tree_cache=None, *args, **kwargs):
