@@ -123,6 +123,26 @@ def expand_ranges(ranges) -> list[int]:
     return [p for start, end in ranges for p in range(start, end)]
 
 
+def watch(server, body, poll=0.2) -> tuple[dict, list]:
+    """POST /generate of ``body`` in a thread and take /sparse/stats snapshots (between scheduler
+    steps) every ``poll`` seconds while it runs; returns (the 200 response's JSON, the snapshots
+    taken while exactly one request was running)."""
+    import requests
+
+    out, seen = {}, []
+    worker = threading.Thread(target=lambda: out.update(resp=requests.post(
+        server.base_url + "/generate", json=body, timeout=600)))
+    worker.start()
+    while worker.is_alive():
+        s = requests.get(server.base_url + "/sparse/stats", timeout=60).json()
+        if s["running_requests"] == 1:
+            seen.append(s)
+        time.sleep(poll)
+    worker.join()
+    assert out["resp"].status_code == 200, out["resp"].text
+    return out["resp"].json(), seen
+
+
 def stream_and_get(server, body, path) -> tuple:
     """Stream ``/generate`` of ``body`` (greedy; its ``rid`` names it); once the first token has
     arrived (the request is decoding) GET ``path``; then read the stream to its end. Returns

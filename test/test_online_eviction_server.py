@@ -9,13 +9,11 @@ budget + interval + chunk rows of one at a time."""
 
 from __future__ import annotations
 
-import threading
-import time
 
 import pytest
 import requests
 
-from conftest import start_server
+from conftest import start_server, watch
 
 POOL, CHUNK, BUDGET, INTERVAL = 2048, 64, 48, 8
 METHODS = {
@@ -79,18 +77,7 @@ def test_every_eviction_frees_exactly_the_rows_over_the_budget(server):
     prompt, new = 160, 20  # 19 decode forwards write KV: evictions after 8 and 16 of them
     body = {"input_ids": ids(prompt, 1), "sampling_params": {"temperature": 0, "max_new_tokens": new,
                                                                "ignore_eos": True}}
-    out, seen = {}, []
-    worker = threading.Thread(target=lambda: out.update(resp=requests.post(
-        server.base_url + "/generate", json=body, timeout=600)))
-    worker.start()
-    while worker.is_alive():
-        s = stats(server)
-        if s["running_requests"] == 1:
-            seen.append(s)
-        time.sleep(0.3)
-    worker.join()
-    assert out["resp"].status_code == 200, out["resp"].text
-    o = out["resp"].json()
+    o, seen = watch(server, body, poll=0.3)
     assert o["meta_info"]["completion_tokens"] == new
     after = stats(server)
     decode_evictions = (new - 1) // INTERVAL
@@ -134,22 +121,6 @@ def test_chain_continuation_resumes_and_prefills_only_its_suffix(server):
 
 
 LONG = 512  # 8 chunks of 64 (1.5K works the same, 24 chunks, but takes minutes on a shared CPU)
-
-
-def watch(server, body) -> tuple[dict, list]:
-    """POST /generate in a thread, /sparse/stats snapshots (between scheduler steps) meanwhile."""
-    out, seen = {}, []
-    worker = threading.Thread(target=lambda: out.update(resp=requests.post(
-        server.base_url + "/generate", json=body, timeout=600)))
-    worker.start()
-    while worker.is_alive():
-        s = stats(server)
-        if s["running_requests"] == 1:
-            seen.append(s)
-        time.sleep(0.2)
-    worker.join()
-    assert out["resp"].status_code == 200, out["resp"].text
-    return out["resp"].json(), seen
 
 
 def test_h2o_evicts_between_prompt_chunks_of_a_long_prompt(server):

@@ -8,13 +8,11 @@ are gone, and a bad flag stops the launcher with a sentence."""
 
 from __future__ import annotations
 
-import threading
-import time
 
 import pytest
 import requests
 
-from conftest import start_server
+from conftest import start_server, watch
 from sglang_sparse.methods.skipkv import ends_sentence
 
 POOL, CHUNK, BUDGET, INTERVAL, MAX_SEGMENT = 512, 64, 64, 8, 16
@@ -66,18 +64,7 @@ def test_every_eviction_frees_exactly_the_rows_it_drops(server, tok):
     prompt = tok.encode(TEXT * 3)[:150]
     new = 24
     before = stats(server)
-    out, seen = {}, []
-    worker = threading.Thread(target=lambda: out.update(resp=requests.post(
-        server.base_url + "/generate", json=body(prompt, new), timeout=600)))
-    worker.start()
-    while worker.is_alive():
-        s = stats(server)
-        if s["running_requests"] == 1:
-            seen.append(s)
-        time.sleep(0.3)
-    worker.join()
-    assert out["resp"].status_code == 200, out["resp"].text
-    o = out["resp"].json()
+    o, seen = watch(server, body(prompt, new), poll=0.3)
     after = stats(server)
     processed = prompt + o["output_ids"][:-1]  # the last token's KV is never written
     assert delta(after, before, "segment_boundaries") == sentence_ends(tok, processed) > 5

@@ -23,7 +23,7 @@ import torch
 from sgl_kernel_sparse import token_logits
 from sgl_kernel_sparse.eviction_scores import attention_sums
 
-from sglang_sparse.core.events import DecodeBatch
+from sglang_sparse.core.events import DecodeBatch, LayerInput
 
 
 class SlotScores:
@@ -87,3 +87,20 @@ class SlotScores:
 
     def clear(self, slots: torch.Tensor) -> None:
         self.t[:, slots.to(self.t.device)] = 0.0
+
+
+class AccumulatedAttentionHooks:
+    """The prefill and decode hooks of a method that keeps each row's accumulated attention from
+    every query (H2O, SkipKV) in ``self.scores`` (a SlotScores) and never holds more than
+    ``config.budget + config.interval`` rows at a decode step (it evicts at every safe point)."""
+
+    def on_prefill_chunk(self, layer: LayerInput) -> None:
+        """Every request of a prefill or mixed step: its queries' attention over its rows."""
+        for i, r in enumerate(layer.step.requests):
+            if r.rid in self.cache.requests:
+                self.scores.add_chunk(layer.layer_id, layer.request_tokens(i, layer.q),
+                                      self.cache.resident_slots(r.rid))
+
+    def decode_view_tensors(self, batch: DecodeBatch) -> None:
+        self.scores.add_decode(batch, self.config.budget + self.config.interval)
+        return None

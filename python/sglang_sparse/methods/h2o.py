@@ -65,9 +65,9 @@ import torch
 from sgl_kernel_sparse.eviction_scores import h2o_select
 
 from sglang_sparse.core.eviction import EvictingRuntime
-from sglang_sparse.core.events import DecodeBatch, LayerInput, StepInfo
+from sglang_sparse.core.events import StepInfo
 from sglang_sparse.core.memory_oracle import MemoryOracle
-from sglang_sparse.core.slot_scores import SlotScores
+from sglang_sparse.core.slot_scores import AccumulatedAttentionHooks, SlotScores
 from sglang_sparse.registry import ConfigError, check_range, register_method
 
 
@@ -90,7 +90,7 @@ class H2OConfig:
 
 
 @register_method("h2o", "eviction", H2OConfig, "heavy hitters (accumulated attention) + recent window, online")
-class H2ORuntime(EvictingRuntime):
+class H2ORuntime(AccumulatedAttentionHooks, EvictingRuntime):
     graph_decode = True
 
     def __init__(self, cache, config: H2OConfig | None = None) -> None:
@@ -101,18 +101,6 @@ class H2ORuntime(EvictingRuntime):
         super().__init__(cache, MemoryOracle(retained_budget=c.budget, row_cap=c.budget + c.interval,
                                              prefill_cap=c.budget + c.interval if self.evict_prefill else None))
         self.scores = SlotScores(cache.store, cache.kv_heads)
-
-    def on_prefill_chunk(self, layer: LayerInput) -> None:
-        """Every request of a prefill or mixed step: its queries' attention over its rows."""
-        for i, r in enumerate(layer.step.requests):
-            if r.rid in self.cache.requests:
-                self.scores.add_chunk(layer.layer_id, layer.request_tokens(i, layer.q),
-                                      self.cache.resident_slots(r.rid))
-
-    def decode_view_tensors(self, batch: DecodeBatch) -> None:
-        # rows never exceed budget + interval at a decode step (evicted at every safe point)
-        self.scores.add_decode(batch, self.config.budget + self.config.interval)
-        return None
 
     def finish_step(self, step: StepInfo) -> None:
         self.schedule_over_budget(step, self.config.budget, self.config.interval, during_prefill=self.evict_prefill)

@@ -55,9 +55,9 @@ import torch
 from sgl_kernel_sparse.eviction_scores import skipkv_select
 
 from sglang_sparse.core.eviction import EvictingRuntime
-from sglang_sparse.core.events import DecodeBatch, LayerInput, RequestSlice, StepInfo
+from sglang_sparse.core.events import RequestSlice, StepInfo
 from sglang_sparse.core.memory_oracle import MemoryOracle
-from sglang_sparse.core.slot_scores import SlotScores
+from sglang_sparse.core.slot_scores import AccumulatedAttentionHooks, SlotScores
 from sglang_sparse.registry import ConfigError, check_range, register_method
 
 SENTENCE_END = ".?!。？！"
@@ -110,7 +110,7 @@ class Segments:
 
 
 @register_method("skipkv", "eviction", SkipKVConfig, "sentence-level eviction: whole segments dropped by attention")
-class SkipKVRuntime(EvictingRuntime):
+class SkipKVRuntime(AccumulatedAttentionHooks, EvictingRuntime):
     graph_decode = True
     reads_tokens = True
 
@@ -145,17 +145,6 @@ class SkipKVRuntime(EvictingRuntime):
         flags[inside] = table[ids[inside]]
         self.bump("segment_boundaries", int(flags.sum()))
         segs.extend([False] * unknown + flags.tolist(), self.config.max_segment)
-
-    def on_prefill_chunk(self, layer: LayerInput) -> None:
-        for i, r in enumerate(layer.step.requests):
-            if r.rid in self.cache.requests:
-                self.scores.add_chunk(layer.layer_id, layer.request_tokens(i, layer.q),
-                                      self.cache.resident_slots(r.rid))
-
-    def decode_view_tensors(self, batch: DecodeBatch) -> None:
-        # rows never exceed budget + interval at a decode step (evicted at every safe point)
-        self.scores.add_decode(batch, self.config.budget + self.config.interval)
-        return None
 
     def finish_step(self, step: StepInfo) -> None:
         for r in step.requests:
