@@ -58,7 +58,7 @@ GPU_FLAGS = ["--load-format", "dummy", "--attention-backend", "triton", "--sampl
 # hooks; with them, the 8B shape runs out of memory while capturing at 0.80)
 
 
-ONLINE_INTERVAL = {"h2o": 32, "rkv": 128}  # rows past the budget before the next eviction
+ONLINE_INTERVAL = {"h2o": 32, "rkv": 128, "skipkv": 32}  # rows past the budget before the next eviction
 
 
 def variant(name: str, budget: int) -> tuple[str, list[str]]:
@@ -81,6 +81,9 @@ def variant(name: str, budget: int) -> tuple[str, list[str]]:
                 "--sparse-interval", str(ONLINE_INTERVAL["h2o"]), "--chain-cache", "off"],
         "rkv": ["--sparse-method", "rkv", "--sparse-budget", str(budget), "--sparse-interval",
                 str(ONLINE_INTERVAL["rkv"]), "--chain-cache", "off"],
+        # whole sentences dropped; recent window and max segment at SkipKV's defaults (128, 64)
+        "skipkv": ["--sparse-method", "skipkv", "--sparse-budget", str(budget), "--sparse-interval",
+                   str(ONLINE_INTERVAL["skipkv"]), "--chain-cache", "off"],
         "fp8": ["--sparse-method", "fp8", "--page-size", "16"],
         # 2-bit, G = 32, R = 128; a quarter of the pool's bytes stays full-precision slots
         "kivi": ["--sparse-method", "kivi", "--sparse-bits", "2", "--chain-cache", "off"],
@@ -166,7 +169,7 @@ def server(name: str, args, extra: list[str]) -> ServerProcess:  # noqa: D401
     base = GPU_FLAGS if not args.cpu else ["--device", "cpu", "--log-level", "warning"]
     flags = ["--model-path", args.model_path, *base, *flags, "--max-total-tokens", str(pool_tokens(name, args)),
              "--context-length", str(ctx), *extra]
-    return ServerProcess(flags, module=module)
+    return ServerProcess(flags, module=module, start_timeout=args.start_timeout)
 
 
 def pool_tokens(name: str, args) -> int:
@@ -190,7 +193,12 @@ def capacity_batch(name: str, args) -> int:
     if name == "streamingllm":
         return (pool - L) // (args.budget + 16) + 1
     if name in ONLINE_INTERVAL:  # never more than budget + interval rows once the prompt is in
-        return (pool - L) // (args.budget + ONLINE_INTERVAL[name]) + 1
+        cap = args.budget + ONLINE_INTERVAL[name]
+        chunk = prefill_chunk(args)
+        # H2O also evicts between prompt chunks (--sparse-evict-prefill, on by default): the request
+        # being prefilled then holds at most cap + one chunk, not its whole prompt
+        held = min(L, cap + chunk) if name == "h2o" and chunk else L
+        return (pool - held) // cap + 1
     if name == "kivi":  # every request's history in 2-bit blocks (3/4 of the pool's bytes)
         from sglang_sparse.core.quant_store import QuantizedBlockStore
         from sglang_sparse.methods.kivi import KIVIConfig
@@ -202,6 +210,14 @@ def capacity_batch(name: str, args) -> int:
         blocks = int(pool * fp_bytes * (1 - c.fp_fraction)) // QuantizedBlockStore.block_bytes(layers, heads, d, 2, c.group)
         return blocks // -(-(L + N) // c.group)
     return pool // (L + N)
+
+
+def prefill_chunk(args) -> int | None:
+    """``--chunked-prefill-size`` given to the servers after ``--`` (None: SGLang picks it)."""
+    extra = args.extra
+    if "--chunked-prefill-size" in extra:
+        return int(extra[extra.index("--chunked-prefill-size") + 1])
+    return None
 
 
 def run_variant(name: str, args, extra: list[str], batches: list[int], prompts, save, splits=None) -> dict:
@@ -263,6 +279,8 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=32)
     ap.add_argument("--timeout", type=float, default=420, help="seconds per batch before giving up")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--start-timeout", type=float, default=300,
+                    help="seconds a server may take to start (torch.compile at 128K: more)")
     ap.add_argument("--cpu", action="store_true", help="smoke run on a CPU with real weights (no GPU flags)")
     ap.add_argument("--tune", nargs="*", default=["plain", "dense"],
                     help="variants swept over --kv-splits (best kept per batch)")

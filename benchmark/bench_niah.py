@@ -59,6 +59,10 @@ CONFIGS = {
     "rkv@1024": ["--sparse-method", "rkv", "--sparse-budget", "1024", "--chain-cache", "off"],
     "skipkv@256": ["--sparse-method", "skipkv", "--sparse-budget", "256", "--chain-cache", "off"],
     "skipkv@1024": ["--sparse-method", "skipkv", "--sparse-budget", "1024", "--chain-cache", "off"],
+    # KVzip keeps a ratio of every (layer, head, position), not a token count: 0.1 and 0.3 of the
+    # context (the probe makes a request ~2x its prompt: at most ~4000 prompt tokens on SmolLM2)
+    "kvzip@0.1": ["--sparse-method", "kvzip", "--sparse-keep-ratio", "0.1"],
+    "kvzip@0.3": ["--sparse-method", "kvzip", "--sparse-keep-ratio", "0.3"],
     "fp8": ["--sparse-method", "fp8"],
     "kivi-2bit": ["--sparse-method", "kivi", "--sparse-bits", "2"],
     "kivi-4bit": ["--sparse-method", "kivi", "--sparse-bits", "4"],

@@ -41,7 +41,9 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         log_path: str | Path | None = None,
         port: int | None = None,
+        start_timeout: float = 300.0,
     ) -> None:
+        self.start_timeout = start_timeout  # what ``with ServerProcess(...)`` waits for health
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", module, *args, "--host", "127.0.0.1", "--port", str(self.port)]
@@ -59,7 +61,8 @@ class ServerProcess:
             return "(no server log)"
         return text[-chars:]
 
-    def start(self, timeout: float = 300.0) -> "ServerProcess":
+    def start(self, timeout: float | None = None) -> "ServerProcess":
+        timeout = self.start_timeout if timeout is None else timeout
         log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
