@@ -25,8 +25,8 @@
 #   matched128k-sparse  the same prompts: Quest(2048) and OmniKV(2048)                   ~9 min
 #   matched128k-quest   the same, dense and Quest(2048) in one call, both at 64 kv splits   ~9 min
 #   matched128k-compile-dense / -quest  the same with --enable-torch-compile, one server per call
-#   capacity-online-a / -b  issue 16's table at a 65,536-token pool, 8,192-token prefill chunks:
-#                   dense (16 / 64 splits), SnapKV, H2O in the first call; SkipKV and R-KV next
+#   capacity-online  issue 16's table at a 49,152-token pool, 8,192-token prefill chunks: dense
+#                   (16 / 64 splits), H2O, SkipKV, SnapKV, R-KV (~8 min, est.)
 #   (each 128K server prefills 4 prompts, ~45 s each, so two servers fill one call)
 # One call holds at most 10 minutes: give stages whose times add up to well under that, e.g.
 #   bash benchmark/gpu/run_all.sh tests-kernels tests-kivi
@@ -109,12 +109,11 @@ for stage in "$@"; do
         --batches 1 2 4 --pool 540672 --methods "$m" --tune "$m" --kv-splits 64 --start-timeout 420 \
         --out "$OUT/long_matched_128k_compile_$m.json" -- --cuda-graph-bs-decode 1 2 4 \
         --enable-torch-compile --torch-compile-max-bs 4 2>&1 | tee "$OUT/$stage.txt" ;;
-    capacity-online-a|capacity-online-b)  # issue 16's table, two calls: 65,536-token pool, 8,192-token chunks
-      if [ "$stage" = capacity-online-a ]; then ms=(dense snapkv h2o); else ms=(skipkv rkv); fi
-      timeout 560 python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 65536 \
-        --prompt-len 32768 --output-len 2048 --methods "${ms[@]}" --tune dense --kv-splits 16 64 \
-        --timeout 240 --out "$OUT/long_capacity_32k_online_${stage##*-}.json" \
-        -- --chunked-prefill-size 8192 --cuda-graph-bs-decode 1 2 4 8 16 24 32 2>&1 | tee "$OUT/$stage.txt" ;;
+    capacity-online)  # issue 16's table in one call: 49,152-token pool, 8,192-token prefill chunks
+      timeout 560 python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 49152 \
+        --prompt-len 32768 --output-len 2048 --methods dense h2o skipkv snapkv rkv --tune dense --kv-splits 16 64 \
+        --timeout 200 --out "$OUT/long_capacity_32k_online.json" \
+        -- --chunked-prefill-size 8192 --cuda-graph-bs-decode 1 2 4 8 16 24 2>&1 | tee "$OUT/$stage.txt" ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "=== $stage took $((SECONDS - start)) s"
