@@ -1,5 +1,12 @@
-"""Multi-turn agent replay: dense + radix cache vs SnapKV + Chain Cache vs SnapKV without chains,
-and dense + radix cache with prefix-cache pruning of old tool results (``/prune``).
+"""Multi-turn agent replay: dense + radix cache vs an eviction method + Chain Cache vs the method
+without chains, and dense + radix cache with prefix-cache pruning of old tool results (``/prune``).
+
+Variants: ``dense+radix``; ``M+chain`` and ``M`` for any eviction method M of ``METHOD_FLAGS``
+(``snapkv``, ``pyramidkv``, ``h2o``, ``rkv``, ``skipkv``, ``streamingllm``; budget ``--budget``);
+``dense+prune@R``. With ``--gpu`` the servers get ``bench_long_context.GPU_FLAGS`` (dummy weights,
+Triton attention) and ``--model-path``; ``--kv-splits`` sweeps SGLang's
+``--triton-attention-num-kv-splits`` for the dense variants and keeps the fastest (all kept in
+the JSON under ``tuning``), so every ratio is over dense + radix at its best.
 
 Synthetic trajectories: each of ``--sessions`` concurrent sessions starts with a system prompt
 (``--system`` tokens) and a task, then for ``--turns`` turns the model answers (``--answer``
@@ -38,17 +45,37 @@ from common import write_json  # noqa: E402
 
 from sglang_sparse.server_process import ServerProcess
 
-VARIANTS = {
-    "dense+radix": [],
-    "snapkv+chain": ["--sparse-method", "snapkv", "--chain-cache", "on"],
-    "snapkv": ["--sparse-method", "snapkv", "--chain-cache", "off"],
-    "dense+prune@0.2": [],
-    "dense+prune@0.5": [],
-}
+DEFAULT_VARIANTS = ["dense+radix", "snapkv+chain", "snapkv", "dense+prune@0.2", "dense+prune@0.5"]
+
+
+def METHOD_FLAGS(method: str, budget: int) -> list[str]:  # noqa: N802 (a table with one argument)
+    """Flags of an eviction method at ``budget`` rows per request (H2O: a quarter of it recent)."""
+    return {
+        "snapkv": ["--sparse-budget", str(budget)],
+        "pyramidkv": ["--sparse-budget", str(budget)],
+        "h2o": ["--sparse-budget", str(budget), "--sparse-recent", str(budget // 4)],
+        "rkv": ["--sparse-budget", str(budget)],
+        "skipkv": ["--sparse-budget", str(budget)],
+        "streamingllm": ["--sparse-sinks", "4", "--sparse-recent", str(budget - 4)],
+    }[method]
+
+
+def variant_flags(name: str, budget: int) -> list[str]:
+    """Server flags of a variant name (see the module docstring); ValueError for an unknown one."""
+    if name == "dense+radix" or prune_ratio(name) is not None:
+        return []
+    method, _, chain = name.partition("+")
+    if chain not in ("", "chain"):
+        raise ValueError(f"unknown variant {name!r}")
+    return ["--sparse-method", method, *METHOD_FLAGS(method, budget), "--chain-cache", "on" if chain else "off"]
 
 
 def prune_ratio(name: str) -> float | None:
     return float(name.split("@")[1]) if name.startswith("dense+prune@") else None
+
+
+def is_dense(name: str) -> bool:
+    return name == "dense+radix" or prune_ratio(name) is not None
 
 
 def session(base_url: str, s: int, args, use_chain: bool, out: list, keep: float | None = None) -> None:
@@ -84,10 +111,17 @@ def session(base_url: str, s: int, args, use_chain: bool, out: list, keep: float
     out[s] = records
 
 
-def run_variant(name: str, args) -> dict:
-    flags = VARIANTS[name] + ["--sparse-budget", str(args.budget)] if name.startswith("snapkv") else []
-    flags = flags + ["--max-total-tokens", str(args.pool), "--log-level", "warning", *args.extra]
-    with ServerProcess(flags) as srv:
+def run_variant(name: str, args, splits: int | None = None) -> dict:
+    flags = variant_flags(name, args.budget) + ["--max-total-tokens", str(args.pool), "--log-level", "warning"]
+    if args.gpu:
+        from bench_long_context import GPU_FLAGS
+
+        flags += [*GPU_FLAGS, "--model-path", args.model_path]
+    elif args.model_path:
+        flags += ["--model-path", args.model_path]
+    if splits is not None:
+        flags += ["--triton-attention-num-kv-splits", str(splits)]
+    with ServerProcess(flags + args.extra, start_timeout=args.start_timeout) as srv:
         url, peak, done = srv.base_url, 0, threading.Event()
 
         def poll() -> None:
@@ -101,7 +135,7 @@ def run_variant(name: str, args) -> dict:
         poller.start()
         out: list = [None] * args.sessions
         t0 = time.monotonic()
-        threads = [threading.Thread(target=session, args=(url, s, args, name == "snapkv+chain", out,
+        threads = [threading.Thread(target=session, args=(url, s, args, name.endswith("+chain"), out,
                                                           prune_ratio(name)))
                    for s in range(args.sessions)]
         for t in threads:
@@ -115,7 +149,7 @@ def run_variant(name: str, args) -> dict:
     turns = [r for rs in out for r in rs]
     errors = [r["error"] for r in turns if "error" in r]
     prunes = [r["prune"] for r in turns if "prune" in r]
-    return {"wall_s": wall, "requests": len(turns), "errors": errors[:3],
+    return {"wall_s": wall, "requests": len(turns), "errors": errors[:3], "kv_splits": splits,
             "prefilled_tokens": sum(r["prompt"] - r["cached"] for r in turns if "prompt" in r),
             "reused_tokens": sum(r["reused"] for r in turns if "prompt" in r),
             "peak_kv_occupied": peak, "kv_occupied_at_end": final["kv_total_slots"] - final["kv_free_slots"],
@@ -128,14 +162,19 @@ def run_variant(name: str, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
+    ap.add_argument("--model-path", default=None, help="default: the embedded SmolLM2")
+    ap.add_argument("--gpu", action="store_true", help="GPU server flags (bench_long_context.GPU_FLAGS)")
+    ap.add_argument("--kv-splits", type=int, nargs="*", default=[],
+                    help="--triton-attention-num-kv-splits values swept for the dense variants (best wall kept)")
+    ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--sessions", type=int, default=4)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--system", type=int, default=1024)
     ap.add_argument("--tool-output", type=int, default=256)
     ap.add_argument("--answer", type=int, default=16)
     ap.add_argument("--tool-wait", type=float, default=0.5)
-    ap.add_argument("--budget", type=int, default=256, help="SnapKV budget")
+    ap.add_argument("--budget", type=int, default=256, help="rows per request of the eviction methods")
     ap.add_argument("--pool", type=int, default=32768)
     ap.add_argument("--prune-lag", type=int, default=1, help="prune a tool result once it is this many rounds old")
     ap.add_argument("--out", default="agent_replay_cpu.json")
@@ -143,25 +182,41 @@ def main() -> None:
     cut = argv.index("--") if "--" in argv else len(argv)
     args = ap.parse_args(argv[:cut])
     args.extra = argv[cut + 1 :]
-    results = {}
     for name in args.variants:
-        results[name] = run_variant(name, args)
-        print(name, json.dumps(results[name]), flush=True)
+        variant_flags(name, args.budget)  # an unknown name fails before any server starts
+    results, tuning = {}, {}
+    for name in args.variants:
+        sweep = args.kv_splits if is_dense(name) and args.kv_splits else [None]
+        runs = {}
+        for splits in sweep:
+            try:
+                runs[splits] = run_variant(name, args, splits)
+            except Exception as err:  # keep what was measured; say what failed
+                runs[splits] = {"error": repr(err)}
+            print(name, f"kv-splits={splits}", json.dumps(runs[splits]), flush=True)
+        ok = {k: r for k, r in runs.items() if "wall_s" in r and not r["errors"]}
+        results[name] = min(ok.values(), key=lambda r: r["wall_s"]) if ok else next(iter(runs.values()))
+        if len(sweep) > 1:
+            tuning[name] = {str(k): r.get("wall_s", r.get("error")) for k, r in runs.items()}
     print(f"\n{args.sessions} sessions x {args.turns} turns; system {args.system}, tool output {args.tool_output}, "
           f"answer {args.answer} tokens, tool wait {args.tool_wait}s, SnapKV budget {args.budget}")
     print(f"{'variant':<17}{'wall s':>8}{'prefilled':>11}{'reused':>9}{'peak KV':>9}{'KV at end':>10}"
           f"{'freed':>7}{'same answer':>12}{'vs dense':>10}")
     base = results.get("dense+radix", {})
     for name, r in results.items():
-        speed = f"{base['wall_s'] / r['wall_s']:.2f}x" if base else "-"
+        if "wall_s" not in r:
+            print(f"{name:<17} failed: {r.get('error')}")
+            continue
+        speed = f"{base['wall_s'] / r['wall_s']:.2f}x" if "wall_s" in base else "-"
         same = "-"
-        if base and name.startswith("dense+prune"):
+        if "wall_s" in base and name.startswith("dense+prune"):
             pairs = list(zip(base["final_answers"], r["final_answers"]))
             same = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
         print(f"{name:<17}{r['wall_s']:>8.1f}{r['prefilled_tokens']:>11}{r['reused_tokens']:>9}"
               f"{r['peak_kv_occupied']:>9}{r['kv_occupied_at_end']:>10}{r['prunes']['freed_slots']:>7}{same:>12}{speed:>10}")
     path = write_json(args.out, {"command": "python " + " ".join(sys.argv), "machine": platform.platform(),
-                                 "settings": {k: v for k, v in vars(args).items()}, "results": results})
+                                 "settings": {k: v for k, v in vars(args).items()}, "tuning": tuning,
+                                 "results": results})
     print(f"wrote {path}")
 
 

@@ -4,13 +4,14 @@ For every method one server is started on the default model (or ``--url`` names 
 the same needle-in-a-haystack prompt (Paul Graham essays, ``bench_niah.build_prompt``) is sent,
 greedy, and the retention map is fetched: ``GET /chain/{id}/retention`` once the request has
 finished (methods whose state Chain Cache carries), else ``GET /sparse/requests/{rid}/retention``
-while it decodes (methods without chains, e.g. retroinfer; kvzip is not served yet: its probe). The plot has one panel per method: layer x
+while it decodes (methods without chains: kvzip, retroinfer). The plot has one panel per method: layer x
 logical position, colour = the fraction of KV heads that keep the position, the needle's tokens
 between two red lines. Writes ``results/retention_cpu.{json,png}`` and prints a table.
 
     python benchmark/plot_retention.py                                  # CPU, ~1.5K-token prompt
     python benchmark/plot_retention.py --methods snapkv h2o --length 2048 --budget 512
     python benchmark/plot_retention.py --url http://127.0.0.1:30000     # a server already running
+    python benchmark/plot_retention.py --add --methods skipkv kvzip     # more panels on the saved JSON
 
 Needs matplotlib for the PNG (``pip install -e '.[bench]'``); the JSON and table come without it.
 """
@@ -34,10 +35,13 @@ from sglang_sparse.default_model import ensure_default_model
 from sglang_sparse.server_process import ServerProcess
 
 
-def method_flags(method: str, budget: int) -> list[str]:
-    """Server flags of ``method`` keeping about ``budget`` rows per layer and KV head (other
-    methods: their defaults)."""
+def method_flags(method: str, budget: int, length: int) -> list[str]:
+    """Server flags of ``method`` keeping about ``budget`` rows per layer and KV head of a
+    ``length``-token prompt (other methods: their defaults)."""
     return {
+        # KVzip keeps a ratio of all (layer, head, position) entries: budget / length on average
+        "kvzip": ["--sparse-keep-ratio", f"{budget / length:.4f}"],
+        "skipkv": ["--sparse-budget", str(budget), "--sparse-interval", "16"],
         "snapkv": ["--sparse-budget", str(budget)],
         "pyramidkv": ["--sparse-budget", str(budget)],  # the average over layers
         "streamingllm": ["--sparse-sinks", "4", "--sparse-recent", str(budget - 4)],
@@ -149,6 +153,8 @@ def main() -> None:
     ap.add_argument("--url", help="a running server (its method is the one panel); no server is started")
     ap.add_argument("--out", default="retention_cpu")
     ap.add_argument("--replot", action="store_true", help="redraw the PNG and table from the JSON; no server")
+    ap.add_argument("--add", action="store_true",
+                    help="keep the saved JSON's panels and add --methods to them (same prompt settings)")
     args = ap.parse_args()
     if args.replot:
         saved = json.loads((RESULTS / f"{args.out}.json").read_text())
@@ -162,17 +168,22 @@ def main() -> None:
     start = find(prompt, tok.encode(NEEDLE, add_special_tokens=False))
     needle = range(start, start + len(tok.encode(NEEDLE, add_special_tokens=False)))
     results: dict = {}
+    if args.add:  # the panels measured before, on the same prompt
+        saved = json.loads((RESULTS / f"{args.out}.json").read_text())
+        if saved["prompt_tokens"] != len(prompt) or saved["needle_positions"] != [needle.start, needle.stop]:
+            sys.exit(f"--add: {args.out}.json was made with another prompt; run without --add")
+        results = saved["results"]
     for method in ([None] if args.url else args.methods):
         t0 = time.monotonic()
         if args.url:
             res = run_one(args.url, prompt, args.new_tokens, f"retention-{time.time_ns()}")
             name = res["map"]["method"]
         else:
-            flags = ["--sparse-method", method, *method_flags(method, args.budget),
+            flags = ["--sparse-method", method, *method_flags(method, args.budget, len(prompt)),
                      "--max-total-tokens", str(4 * len(prompt) + 4096), "--log-level", "warning"]
             with ServerProcess(flags) as srv:
                 res = run_one(srv.base_url, prompt, args.new_tokens, f"retention-{method}")
-            name = f"{method}@{args.budget}" if method_flags(method, args.budget) else method
+            name = f"{method}@{args.budget}" if method_flags(method, args.budget, len(prompt)) else method
             res["flags"] = flags
         res["summary"] = summarize(res["map"], needle)
         res["found"] = any(k in res["answer"].lower() for k in KEYS)

@@ -112,9 +112,12 @@ def test_keep_all_equals_dense_and_releases_exactly_the_probe(full, hf):
         c0, c1 = s0["counters"], s1["counters"]
         assert c1["kvzip_probes"] == c0["kvzip_probes"] + 1, c1
         assert c1["kvzip_padded_entries"] == c0["kvzip_padded_entries"]
-        assert c1["compactions"] == c0["compactions"] + 1
-        # keep ratio 1: only the probe's rows go (S tokens after the N - 1 context tokens)
+        assert c1["compactions"] == c0["compactions"] + 1 and c1["evictions"] == c0["evictions"] + 1
+        # keep ratio 1: only the probe's rows go (S tokens after the N - 1 context tokens), in
+        # every layer (rows_released counts layer rows)
         assert c1["slots_released"] - c0["slots_released"] == probe_len(tok, ids), (c0, c1)
+        layers = model.config.num_hidden_layers
+        assert c1["rows_released"] - c0["rows_released"] == probe_len(tok, ids) * layers, (c0, c1)
     after = stats(full)
     assert after["running_requests"] == 0 and after["integrity"]["ok"], after["integrity"]
     assert after["kv_free_slots"] == before["kv_free_slots"] == after["kv_total_slots"]
@@ -210,5 +213,9 @@ def test_global_threshold_counts_sinks_and_last_token_kept(third, hf):
     selected = widened - (c1["kvzip_padded_entries"] - c0["kvzip_padded_entries"])
     assert selected == int(RATIO * layers * heads * ctx) == ref_selected
     assert widened < 0.8 * layers * heads * ctx
+    # each layer released its rows past its B_l kept context rows (the probe's included)
+    held = ctx + probe_len(tok, ids)
+    assert c1["evictions"] == c0["evictions"] + 1
+    assert c1["rows_released"] - c0["rows_released"] == layers * held - widened // heads, (c0, c1)
     s = stats(third)
     assert s["running_requests"] == 0 and s["integrity"]["ok"] and s["kv_free_slots"] == s["kv_total_slots"]

@@ -25,6 +25,11 @@
 #   matched128k-sparse  the same prompts: Quest(2048) and OmniKV(2048)                   ~9 min
 #   matched128k-quest   the same, dense and Quest(2048) in one call, both at 64 kv splits   ~9 min
 #   matched128k-compile-dense / -quest  the same with --enable-torch-compile, one server per call
+#   agent-replay-dense / -evict  issue 16's agent replay (8B shape, 32 sessions x 4 turns, 4K system,
+#                   2K tool outputs, 98,304-token pool): dense + radix over 8 / 16 splits in the
+#                   first call; SnapKV, H2O and R-KV (budget 2,048) + Chain Cache in the second
+#   overhead-compile  plain SGLang vs dense through sglang_sparse at 32K, batch 1 and 8, both with
+#                   --enable-torch-compile at 16 kv splits (issue 15's < 3% overhead)
 #   capacity-online  issue 16's table at a 49,152-token pool, 8,192-token prefill chunks: dense
 #                   (16 / 64 splits), H2O, SkipKV, SnapKV, R-KV (~8 min, est.)
 #   (each 128K server prefills 4 prompts, ~45 s each, so two servers fill one call)
@@ -114,6 +119,17 @@ for stage in "$@"; do
         --prompt-len 32768 --output-len 2048 --methods dense h2o skipkv snapkv rkv --tune dense --kv-splits 16 64 \
         --timeout 200 --out "$OUT/long_capacity_32k_online.json" \
         -- --chunked-prefill-size 8192 --cuda-graph-bs-decode 1 2 4 8 16 24 2>&1 | tee "$OUT/$stage.txt" ;;
+    agent-replay-dense|agent-replay-evict)  # issue 16: 32 sessions x 4 turns, 98,304-token pool
+      if [ "$stage" = agent-replay-dense ]; then vs=(dense+radix); else vs=(snapkv+chain h2o+chain rkv+chain); fi
+      timeout 560 python3 benchmark/bench_agent_replay.py --gpu --model-path "$M8" --variants "${vs[@]}" \
+        --kv-splits 8 16 --sessions 32 --turns 4 --system 4096 --tool-output 2048 --answer 64 --budget 2048 \
+        --pool 98304 --out "$OUT/agent_replay_h200_${stage##*-}.json" \
+        -- --cuda-graph-bs-decode 1 2 4 8 16 24 32 2>&1 | tee "$OUT/$stage.txt" ;;
+    overhead-compile)  # issue 15: dense through sglang_sparse vs plain SGLang, both compiled and at 16 splits
+      timeout 560 python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 32768 --output-len 64 \
+        --batches 1 8 --pool 294912 --methods plain dense --tune plain dense --kv-splits 16 --start-timeout 300 \
+        --out "$OUT/long_matched_32k_overhead_compile.json" -- --cuda-graph-bs-decode 1 2 4 8 \
+        --enable-torch-compile --torch-compile-max-bs 8 2>&1 | tee "$OUT/$stage.txt" ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "=== $stage took $((SECONDS - start)) s"

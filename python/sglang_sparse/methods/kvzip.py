@@ -47,6 +47,12 @@ Choices the paper leaves open (or that the store imposes):
 
 Parameters: ``keep_ratio`` (0, 1], ``sinks`` (4), ``chunk`` (2048 context tokens per probe chunk),
 ``tail`` (8).
+
+Counters (``/sparse/stats``), as the other eviction methods: ``evictions`` (compactions, one per
+probed request), ``rows_released`` (layer rows freed, summed over layers: a request holding
+``P + S`` rows that keeps ``B_l`` in layer l releases ``sum_l (P + S - B_l)``, the probe's rows
+included; divide by the layer count for token slots); ``kvzip_probes`` (scored requests) and
+``kvzip_padded_entries`` (entries kept only because their layer's widest head kept more).
 """
 
 from __future__ import annotations
@@ -116,7 +122,7 @@ class KVzipRuntime(EvictingRuntime):
         self.config = config or KVzipConfig()
         super().__init__(cache, MemoryOracle(retained_budget=None))
         self.tables = self.cache.enable_cell_tables()
-        self.counters = {"kvzip_probes": 0, "kvzip_padded_entries": 0}
+        self.counters = {"evictions": 0, "rows_released": 0, "kvzip_probes": 0, "kvzip_padded_entries": 0}
 
     @classmethod
     def probe_ids(cls, config: KVzipConfig, context: list[int], encode) -> list[int]:
@@ -168,6 +174,9 @@ class KVzipRuntime(EvictingRuntime):
         keep = [widen_to_layer(mask[layer], scores[layer]) for layer in range(scores.shape[0])]
         self.counters["kvzip_probes"] += 1
         self.counters["kvzip_padded_entries"] += sum(k.numel() for k in keep) - int(mask.sum())
+        held = self.cache.requests[rid].retained.n_rows  # P + S: the context and the probe
+        self.bump("evictions")
+        self.bump("rows_released", sum(held - k.shape[1] for k in keep))
         return keep
 
     def apply_pending(self, only: set[str] | None = None) -> int:
