@@ -199,7 +199,7 @@ def main() -> None:
         if len(sweep) > 1:
             tuning[name] = {str(k): r.get("wall_s", r.get("error")) for k, r in runs.items()}
     print(f"\n{args.sessions} sessions x {args.turns} turns; system {args.system}, tool output {args.tool_output}, "
-          f"answer {args.answer} tokens, tool wait {args.tool_wait}s, SnapKV budget {args.budget}")
+          f"answer {args.answer} tokens, tool wait {args.tool_wait}s, eviction budget {args.budget}")
     print(f"{'variant':<17}{'wall s':>8}{'prefilled':>11}{'reused':>9}{'peak KV':>9}{'KV at end':>10}"
           f"{'freed':>7}{'same answer':>12}{'vs dense':>10}")
     base = results.get("dense+radix", {})
