@@ -27,3 +27,41 @@ def test_pick_best_keeps_the_fastest_split_per_batch_and_the_whole_sweep():
     assert sweep["16"] == {"1": 50.0, "4": 150.0} and math.isnan(sweep["32"]["4"])
     assert sweep["64"] == {"error": "RuntimeError('start')"}
     assert best["kv"] == {"kv_bytes_per_token": 2}
+
+
+class _Args:
+    pool, prompt_len, output_len, budget = 49152, 32768, 2048, 2048
+
+    def __init__(self, extra):
+        self.extra = extra
+
+
+def test_h2o_capacity_counts_eviction_between_chunks_as_the_oracle_admits():
+    """The bench's batch for H2O = what the MemoryOracle admits: the request being prefilled on
+    budget + interval + one chunk rows, every other one on budget + interval."""
+    from sglang_sparse.core.memory_oracle import MemoryOracle
+
+    cap = _Args.budget + B.ONLINE_INTERVAL["h2o"]
+    oracle = MemoryOracle(retained_budget=_Args.budget, row_cap=cap, prefill_cap=cap)
+    held = oracle.chunked_prefill_rows(_Args.prompt_len, 8192)
+    assert held == cap + 8192
+    assert B.capacity_batch("h2o", _Args(["--chunked-prefill-size", "8192"])) == (_Args.pool - held) // cap + 1 == 19
+    # without a known chunk size the prompt is counted whole (as for R-KV and SkipKV)
+    assert B.capacity_batch("h2o", _Args([])) == B.capacity_batch("rkv", _Args([])) == 8
+
+
+def test_every_agent_replay_variant_is_a_valid_server_configuration():
+    import bench_agent_replay as R
+    from sglang_sparse.srt.launcher import sparse_config
+
+    for name in ["dense+radix", "dense+prune@0.2", *(f"{m}{c}" for m in ["snapkv", "pyramidkv", "h2o", "rkv",
+                                                                         "skipkv", "streamingllm"]
+                                                    for c in ["", "+chain"])]:
+        flags = R.variant_flags(name, 256)
+        config, _ = sparse_config(["--model-path", "m", "--device", "cpu", *flags], log=lambda m: None)
+        if "+" in name and not name.startswith("dense"):
+            assert config["method"] == name.split("+")[0] and config["chain_cache"] is True, name
+    import pytest
+
+    with pytest.raises(ValueError, match="unknown variant"):
+        R.variant_flags("snapkv+radix", 256)
