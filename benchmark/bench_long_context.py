@@ -195,9 +195,9 @@ def capacity_batch(name: str, args) -> int:
     if name in ONLINE_INTERVAL:  # never more than budget + interval rows once the prompt is in
         cap = args.budget + ONLINE_INTERVAL[name]
         chunk = prefill_chunk(args)
-        # H2O also evicts between prompt chunks (--sparse-evict-prefill, on by default): the request
-        # being prefilled then holds at most cap + one chunk, not its whole prompt
-        held = min(L, cap + chunk) if name == "h2o" and chunk else L
+        # H2O and SkipKV also evict between prompt chunks (--sparse-evict-prefill, on by default):
+        # the request being prefilled then holds at most cap + one chunk, not its whole prompt
+        held = min(L, cap + chunk) if name in ("h2o", "skipkv") and chunk else L
         return (pool - held) // cap + 1
     if name == "kivi":  # every request's history in 2-bit blocks (3/4 of the pool's bytes)
         from sglang_sparse.core.quant_store import QuantizedBlockStore

@@ -48,6 +48,8 @@ def test_h2o_capacity_counts_eviction_between_chunks_as_the_oracle_admits():
     assert B.capacity_batch("h2o", _Args(["--chunked-prefill-size", "8192"])) == (_Args.pool - held) // cap + 1 == 19
     # without a known chunk size the prompt is counted whole (as for R-KV and SkipKV)
     assert B.capacity_batch("h2o", _Args([])) == B.capacity_batch("rkv", _Args([])) == 8
+    assert B.capacity_batch("skipkv", _Args(["--chunked-prefill-size", "8192"])) == 19  # the same cap as H2O
+    assert B.capacity_batch("rkv", _Args(["--chunked-prefill-size", "8192"])) == 8  # holds its prompt whole
 
 
 def test_every_agent_replay_variant_is_a_valid_server_configuration():

@@ -91,7 +91,8 @@ class Run:
     def reference(self, chunk):
         c = self.knobs
         return ref.skipkv_simulate(self.q, self.k, BOUNDARY[self.tokens], c["budget"], c["sinks"], c["recent"],
-                                   c["interval"], c["max_segment"], self.prompt_lens, chunk, self.decode_after)
+                                   c["interval"], c["max_segment"], self.prompt_lens, chunk, self.decode_after,
+                                   evict_prefill=c.get("evict_prefill", "on") == "on")
 
     def assert_matches_reference(self, chunk):
         want = self.reference(chunk)
@@ -117,10 +118,16 @@ def units_whole(kept, seg, n, sinks, recent):
     assert bool(mask[:sinks].all()) and bool(mask[n - recent:].all())
 
 
-@pytest.mark.parametrize("chunk", [1000, 7])
-def test_kept_positions_equal_the_reference_through_prefill_and_decode(chunk):
-    run = Run()
+@pytest.mark.parametrize("chunk,evict_prefill", [(1000, "on"), (7, "on"), (7, "off")])
+def test_kept_positions_equal_the_reference_through_prefill_and_decode(chunk, evict_prefill):
+    run = Run(dict(KNOBS, evict_prefill=evict_prefill))
+    peak = []  # rows held after each prompt chunk
+    step = run.step
+    run.step = lambda mode, s, *t: (step(mode, s, *t), peak.append(run.eng.ctl.cache.retained(s.rid).n_rows))
     run.turn(60, chunk, 0)
+    if chunk == 7:  # evicting between chunks bounds the rows a prompt holds; holding it whole does not
+        c = KNOBS
+        assert (max(peak) < c["budget"] + c["interval"] + chunk) == (evict_prefill == "on"), peak
     first = run.assert_matches_reference(chunk)  # the prompt's eviction
     assert first.numel() < 60
     evictions = run.eng.ctl.runtime.counters["evictions"]
@@ -228,6 +235,7 @@ def test_random_selections_drop_whole_units_within_the_budget():
     ({"sinks": -1}, "sinks=-1 is out of range: must be >= 0"),
     ({"interval": 0}, "interval=0 is out of range: must be >= 1"),
     ({"max_segment": 0}, "max_segment=0 is out of range: must be >= 1"),
+    ({"evict_prefill": "yes"}, "evict_prefill='yes' is not allowed: must be on .* or off"),
     ({"budget": 100, "recent": 64, "max_segment": 64},
      "budget=100 is out of range: must be >= sinks \\+ recent \\+ max_segment = 132 .*--sparse-max-segment"),
 ])

@@ -104,6 +104,22 @@ def test_chain_continuation_resumes_and_prefills_only_its_suffix(server, tok):
     assert rec["retained_rows"] == kept + len(suffix) - delta(after, before, "rows_released")
 
 
+def test_a_long_prompt_is_evicted_between_its_chunks(server, tok):
+    """``--sparse-evict-prefill on`` (the default): a 7-chunk prompt is evicted after every chunk
+    that leaves it INTERVAL or more rows past the budget (chunks 2..7), not only after its last;
+    held whole it would be evicted once. (The last chunk's eviction applies at the next safe
+    point, so the request decodes a second token to reach it.)"""
+    prompt = tok.encode(TEXT * 8)[: 7 * CHUNK]
+    before = stats(server)
+    o = gen(server, prompt, 2)
+    after = stats(server)
+    assert delta(after, before, "evictions") >= 6, after["counters"]
+    assert delta(after, before, "slots_released") == delta(after, before, "rows_released")
+    rec = chain(server, o["meta_info"]["chain_id"])
+    assert rec["processed_tokens"] == len(prompt) + 1
+    assert rec["retained_rows"] <= BUDGET + INTERVAL
+
+
 def test_nothing_leaks_once_the_chains_are_gone(server):
     chains = requests.get(server.base_url + "/chain", timeout=60).json()["chains"]
     for c in [c for c in chains if c["status"] == "idle"]:

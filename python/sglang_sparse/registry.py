@@ -68,6 +68,13 @@ def build_config(name: str, knobs: dict[str, Any] | None = None):
     return config
 
 
+def check_evict_prefill(value: str) -> None:
+    """The ``evict_prefill`` switch of the online eviction methods (H2O, SkipKV)."""
+    if value not in ("on", "off"):
+        raise ConfigError(f"evict_prefill={value!r} is not allowed: must be on (evict back to the budget between "
+                          "prompt chunks) or off (hold the whole prompt until its last chunk)")
+
+
 def check_range(name: str, value: int, low: int, high: int | None = None) -> None:
     """Raise ConfigError naming the option, the bad value and the allowed range."""
     if value < low or (high is not None and value > high):

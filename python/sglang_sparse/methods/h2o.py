@@ -68,7 +68,7 @@ from sglang_sparse.core.eviction import EvictingRuntime
 from sglang_sparse.core.events import StepInfo
 from sglang_sparse.core.memory_oracle import MemoryOracle
 from sglang_sparse.core.slot_scores import AccumulatedAttentionHooks, SlotScores
-from sglang_sparse.registry import ConfigError, check_range, register_method
+from sglang_sparse.registry import ConfigError, check_evict_prefill, check_range, register_method
 
 
 @dataclass(frozen=True)
@@ -79,9 +79,7 @@ class H2OConfig:
     evict_prefill: str = "on"  # "on" | "off": also evict between prompt chunks
 
     def validate(self) -> None:
-        if self.evict_prefill not in ("on", "off"):
-            raise ConfigError(f"evict_prefill={self.evict_prefill!r} is not allowed: must be on (evict back to "
-                              "the budget between prompt chunks) or off (hold the whole prompt until its last chunk)")
+        check_evict_prefill(self.evict_prefill)
         check_range("recent", self.recent, 1)
         if self.budget <= self.recent:  # at least one heavy hitter
             raise ConfigError(f"budget={self.budget} is out of range: must be > recent={self.recent} (the "

@@ -25,8 +25,16 @@ remain. A segment cut by the sinks or the recent window keeps the part inside th
 dropped or kept on its own. A request then holds between ``budget - max_segment + 1`` and
 ``budget`` rows after an eviction (not exactly ``budget``, unlike H2O).
 
-When: as H2O, after the prompt's last chunk if over ``budget`` (the prompt is held whole while
-it is prefilled), then whenever ``interval`` rows have accumulated past ``budget``.
+When: as H2O, whenever a step leaves a request ``interval`` or more rows past ``budget`` -- a
+decode token or, with ``evict_prefill=on`` (the default), a prompt chunk -- and after the prompt's
+last chunk if over ``budget`` at all. Between prompt chunks the engine compacts at its safe point
+exactly as for H2O (``srt/engine/steps.compact_chunked``): the next chunk's queries see only the
+kept rows, a prompt holds at most ``budget + interval - 1 + chunk`` rows while prefilled, and
+admission counts that (``MemoryOracle.prefill_cap``), not the whole prompt. A sentence still open
+at a chunk's end is cut by the recent window as any segment (its part inside is kept; its segment
+id goes on in the next chunk). ``evict_prefill=off``
+holds the prompt whole until its last chunk (the kept set then does not depend on the chunk size;
+``eviction_scores.skipkv_simulate`` is the reference for both).
 
 Not done (the paper leaves these to its own code or they are outside a KV runtime): its sentence
 score combines attention importance with token redundancy and a pairwise sentence similarity of
@@ -43,7 +51,8 @@ segment id per logical token per request (8 bytes, host), the per-slot scores as
 
 Parameters: ``budget`` rows kept per request (every layer and head), ``sinks`` first rows always
 kept, ``recent`` last rows always kept, ``interval`` eviction slack while decoding,
-``max_segment`` the longest segment (``<= budget - sinks - recent``, so any segment fits).
+``max_segment`` the longest segment (``<= budget - sinks - recent``, so any segment fits),
+``evict_prefill`` on|off (evict between prompt chunks, default on).
 """
 
 from __future__ import annotations
@@ -58,7 +67,7 @@ from sglang_sparse.core.eviction import EvictingRuntime
 from sglang_sparse.core.events import RequestSlice, StepInfo
 from sglang_sparse.core.memory_oracle import MemoryOracle
 from sglang_sparse.core.slot_scores import AccumulatedAttentionHooks, SlotScores
-from sglang_sparse.registry import ConfigError, check_range, register_method
+from sglang_sparse.registry import ConfigError, check_evict_prefill, check_range, register_method
 
 SENTENCE_END = ".?!。？！"
 
@@ -75,8 +84,10 @@ class SkipKVConfig:
     recent: int = 128
     interval: int = 32
     max_segment: int = 64
+    evict_prefill: str = "on"  # "on" | "off": also evict between prompt chunks (as H2O)
 
     def validate(self) -> None:
+        check_evict_prefill(self.evict_prefill)
         check_range("sinks", self.sinks, 0)
         check_range("recent", self.recent, 1)
         check_range("interval", self.interval, 1)
@@ -117,7 +128,9 @@ class SkipKVRuntime(AccumulatedAttentionHooks, EvictingRuntime):
     def __init__(self, cache, config: SkipKVConfig | None = None) -> None:
         self.config = config or SkipKVConfig()
         c = self.config
-        super().__init__(cache, MemoryOracle(retained_budget=c.budget, row_cap=c.budget + c.interval))
+        self.evict_prefill = c.evict_prefill == "on"
+        super().__init__(cache, MemoryOracle(retained_budget=c.budget, row_cap=c.budget + c.interval,
+                                             prefill_cap=c.budget + c.interval if self.evict_prefill else None))
         self.scores = SlotScores(cache.store, cache.kv_heads)
         self.boundary = torch.zeros(0, dtype=torch.bool)  # by token id; ids past its end: no boundary
 
@@ -150,7 +163,7 @@ class SkipKVRuntime(AccumulatedAttentionHooks, EvictingRuntime):
         for r in step.requests:
             if r.rid in self.cache.requests:
                 self.track(r)
-        self.schedule_over_budget(step, self.config.budget, self.config.interval)
+        self.schedule_over_budget(step, self.config.budget, self.config.interval, during_prefill=self.evict_prefill)
 
     def plan(self, rid: str) -> torch.Tensor | None:
         c = self.config

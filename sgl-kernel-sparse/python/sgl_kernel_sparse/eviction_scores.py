@@ -221,12 +221,14 @@ def rkv_simulate(q, k, budget, window, interval, alpha, kernel, prompt_lens, chu
 
 
 def skipkv_simulate(q, k, boundary, budget, sinks, recent, interval, max_segment, prompt_lens, chunk,
-                    decode_after):
+                    decode_after, evict_prefill=False):
     """SkipKV over all layers: ``q`` / ``k`` lists (one per layer) of ``[N, Hq, D]`` /
     ``[N, Hkv, D]``, ``boundary [N]`` the sentence-ending tokens. Every query adds its attention
-    to its rows' scores (as H2O); the prompt is held whole until its last chunk, then evicted to
-    ``budget`` if over it; while decoding, evicted once ``interval`` rows are over ``budget``. The
-    kept positions are shared by every layer and head (``skipkv_select``). Returns them ``[B]``."""
+    to its rows' scores (as H2O); after the prompt's last chunk the rows are evicted to ``budget``
+    if over it, and once ``interval`` rows are over it after a decode step -- or, with
+    ``evict_prefill``, after a prompt chunk (the next chunk's queries then see only the kept rows);
+    without it the prompt is held whole until its last chunk. The kept positions are shared by
+    every layer and head (``skipkv_select``). Returns them ``[B]``."""
     seg = segment_ids(boundary, max_segment)
     layers, hkv = len(q), k[0].shape[1]
     g = q[0].shape[1] // hkv
@@ -240,10 +242,11 @@ def skipkv_simulate(q, k, boundary, budget, sinks, recent, interval, max_segment
             for h in range(hkv):
                 scores[layer, h] += attention_sums(q[layer][start:end, h * g:(h + 1) * g],
                                                    k[layer][held, h: h + 1], rows)[0]
-        if prompt_end is not None and end < prompt_end:
+        last_chunk = prompt_end is not None and end == prompt_end
+        if prompt_end is not None and not last_chunk and not evict_prefill:
             continue  # the prompt is held whole until its last chunk
         over = len(held) - budget
-        if over > 0 and (prompt_end is not None or over >= interval):
+        if over > 0 and (last_chunk or over >= interval):
             keep = skipkv_select(scores, seg[held], budget, sinks, recent)
             held, scores = held[keep], scores[:, :, keep]
     return held
