@@ -1,7 +1,7 @@
 """Multi-turn agent replay: dense + radix cache vs an eviction method + Chain Cache vs the method
 without chains, and dense + radix cache with prefix-cache pruning of old tool results (``/prune``).
 
-Variants: ``dense+radix``; ``M+chain`` and ``M`` for any eviction method M of ``METHOD_FLAGS``
+Variants: ``dense+radix``; ``M+chain`` and ``M`` for any eviction method M of ``common.eviction_flags``
 (``snapkv``, ``pyramidkv``, ``h2o``, ``rkv``, ``skipkv``, ``streamingllm``; budget ``--budget``);
 ``dense+prune@R``. With ``--gpu`` the servers get ``bench_long_context.GPU_FLAGS`` (dummy weights,
 Triton attention) and ``--model-path``; ``--kv-splits`` sweeps SGLang's
@@ -41,23 +41,11 @@ from pathlib import Path
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_json  # noqa: E402
+from common import eviction_flags, write_json  # noqa: E402
 
 from sglang_sparse.server_process import ServerProcess
 
 DEFAULT_VARIANTS = ["dense+radix", "snapkv+chain", "snapkv", "dense+prune@0.2", "dense+prune@0.5"]
-
-
-def METHOD_FLAGS(method: str, budget: int) -> list[str]:  # noqa: N802 (a table with one argument)
-    """Flags of an eviction method at ``budget`` rows per request (H2O: a quarter of it recent)."""
-    return {
-        "snapkv": ["--sparse-budget", str(budget)],
-        "pyramidkv": ["--sparse-budget", str(budget)],
-        "h2o": ["--sparse-budget", str(budget), "--sparse-recent", str(budget // 4)],
-        "rkv": ["--sparse-budget", str(budget)],
-        "skipkv": ["--sparse-budget", str(budget)],
-        "streamingllm": ["--sparse-sinks", "4", "--sparse-recent", str(budget - 4)],
-    }[method]
 
 
 def variant_flags(name: str, budget: int) -> list[str]:
@@ -67,7 +55,7 @@ def variant_flags(name: str, budget: int) -> list[str]:
     method, _, chain = name.partition("+")
     if chain not in ("", "chain"):
         raise ValueError(f"unknown variant {name!r}")
-    return ["--sparse-method", method, *METHOD_FLAGS(method, budget), "--chain-cache", "on" if chain else "off"]
+    return ["--sparse-method", method, *eviction_flags(method, budget), "--chain-cache", "on" if chain else "off"]
 
 
 def prune_ratio(name: str) -> float | None:

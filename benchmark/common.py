@@ -13,6 +13,19 @@ import requests
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def eviction_flags(method: str, budget: int) -> list[str]:
+    """Server flags of an eviction method keeping ``budget`` rows per request (H2O: a quarter of
+    them recent; StreamingLLM: 4 sinks + the rest recent; others at their defaults)."""
+    return {
+        "snapkv": ["--sparse-budget", str(budget)],
+        "pyramidkv": ["--sparse-budget", str(budget)],  # the average over layers
+        "h2o": ["--sparse-budget", str(budget), "--sparse-recent", str(budget // 4)],
+        "rkv": ["--sparse-budget", str(budget)],
+        "skipkv": ["--sparse-budget", str(budget)],
+        "streamingllm": ["--sparse-sinks", "4", "--sparse-recent", str(budget - 4)],
+    }[method]
+
+
 def stream_generate(base_url: str, input_ids: list[int], max_new_tokens: int) -> dict:
     """One streamed /generate request (greedy, ignore_eos). Returns the arrival time of every
     generated token (``times``, monotonic seconds), ``ttft`` (s), ``end`` and ``tokens``."""

@@ -29,7 +29,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_niah import KEYS, NEEDLE, build_prompt, essays_tokens  # noqa: E402
-from common import RESULTS, write_json  # noqa: E402
+from common import RESULTS, eviction_flags, write_json  # noqa: E402
 
 from sglang_sparse.default_model import ensure_default_model
 from sglang_sparse.server_process import ServerProcess
@@ -37,17 +37,14 @@ from sglang_sparse.server_process import ServerProcess
 
 def method_flags(method: str, budget: int, length: int) -> list[str]:
     """Server flags of ``method`` keeping about ``budget`` rows per layer and KV head of a
-    ``length``-token prompt (other methods: their defaults)."""
-    return {
-        # KVzip keeps a ratio of all (layer, head, position) entries: budget / length on average
-        "kvzip": ["--sparse-keep-ratio", f"{budget / length:.4f}"],
-        "skipkv": ["--sparse-budget", str(budget), "--sparse-interval", "16"],
-        "snapkv": ["--sparse-budget", str(budget)],
-        "pyramidkv": ["--sparse-budget", str(budget)],  # the average over layers
-        "streamingllm": ["--sparse-sinks", "4", "--sparse-recent", str(budget - 4)],
-        "h2o": ["--sparse-budget", str(budget), "--sparse-recent", str(budget // 4), "--sparse-interval", "16"],
-        "rkv": ["--sparse-budget", str(budget), "--sparse-interval", "16"],
-    }.get(method, [])
+    ``length``-token prompt (other methods: their defaults); the online evictors every 16 rows."""
+    if method == "kvzip":  # a ratio of all (layer, head, position) entries: budget / length on average
+        return ["--sparse-keep-ratio", f"{budget / length:.4f}"]
+    try:
+        flags = eviction_flags(method, budget)
+    except KeyError:
+        return []
+    return flags + (["--sparse-interval", "16"] if method in ("h2o", "rkv", "skipkv") else [])
 
 
 def find(seq: list[int], sub: list[int]) -> int:

@@ -21,6 +21,14 @@ class MemoryOracle:
     row_cap: int | None = None
     prefill_cap: int | None = None
 
+    @classmethod
+    def online(cls, budget: int, interval: int, evict_prefill: bool = False) -> "MemoryOracle":
+        """An online evictor (H2O, R-KV, SkipKV): back to ``budget`` rows once ``interval`` are
+        over it, so never more than ``budget + interval`` while decoding; with ``evict_prefill``
+        also between prompt chunks, so the same cap before each chunk."""
+        cap = budget + interval
+        return cls(retained_budget=budget, row_cap=cap, prefill_cap=cap if evict_prefill else None)
+
     def prefill_peak_rows(self, prompt_len: int) -> int:
         """Rows held while the prompt is prefilled in one piece (until compaction)."""
         return prompt_len

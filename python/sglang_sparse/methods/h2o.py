@@ -96,8 +96,7 @@ class H2ORuntime(AccumulatedAttentionHooks, EvictingRuntime):
         c = self.config
         self.evict_prefill = c.evict_prefill == "on"
         # while prefilling, at most budget + interval - 1 rows before a chunk (cap: budget + interval)
-        super().__init__(cache, MemoryOracle(retained_budget=c.budget, row_cap=c.budget + c.interval,
-                                             prefill_cap=c.budget + c.interval if self.evict_prefill else None))
+        super().__init__(cache, MemoryOracle.online(c.budget, c.interval, self.evict_prefill))
         self.scores = SlotScores(cache.store, cache.kv_heads)
 
     def finish_step(self, step: StepInfo) -> None:

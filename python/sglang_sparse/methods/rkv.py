@@ -75,7 +75,7 @@ class RKVRuntime(EvictingRuntime):
     def __init__(self, cache, config: RKVConfig | None = None) -> None:
         self.config = config or RKVConfig()
         c = self.config
-        super().__init__(cache, MemoryOracle(retained_budget=c.budget, row_cap=c.budget + c.interval))
+        super().__init__(cache, MemoryOracle.online(c.budget, c.interval))
         self.scores = SlotScores(cache.store, cache.kv_heads)  # the buffer's accumulated attention
         self.fire_at = c.budget + c.interval  # rows at which a decode eviction fires
 

@@ -129,8 +129,7 @@ class SkipKVRuntime(AccumulatedAttentionHooks, EvictingRuntime):
         self.config = config or SkipKVConfig()
         c = self.config
         self.evict_prefill = c.evict_prefill == "on"
-        super().__init__(cache, MemoryOracle(retained_budget=c.budget, row_cap=c.budget + c.interval,
-                                             prefill_cap=c.budget + c.interval if self.evict_prefill else None))
+        super().__init__(cache, MemoryOracle.online(c.budget, c.interval, self.evict_prefill))
         self.scores = SlotScores(cache.store, cache.kv_heads)
         self.boundary = torch.zeros(0, dtype=torch.bool)  # by token id; ids past its end: no boundary
 

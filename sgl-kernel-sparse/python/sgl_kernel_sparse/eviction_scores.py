@@ -169,6 +169,16 @@ def _steps(prompt_lens, chunk, decode_after):
     return steps
 
 
+def _evicts_now(step, over, interval, evict_prefill) -> bool:
+    """The online trigger of H2O, R-KV and SkipKV after ``step = (start, end, prompt_end)``:
+    after the prompt's last chunk when over the budget at all; after a decode step, or (with
+    ``evict_prefill``) any other prompt chunk, once ``interval`` or more rows are over it."""
+    last_chunk = step[2] is not None and step[1] == step[2]
+    if step[2] is not None and not last_chunk and not evict_prefill:
+        return False  # the prompt is held whole until its last chunk
+    return over > 0 and (last_chunk or over >= interval)
+
+
 def h2o_simulate(q, k, budget, recent, interval, prompt_lens, chunk, decode_after, evict_prefill=False):
     """H2O on one layer's ``q [N, Hq, D]`` / ``k [N, Hkv, D]``: every query adds its attention to
     the scores of the rows it sees; after the prompt's last chunk the rows are evicted to
@@ -177,11 +187,7 @@ def h2o_simulate(q, k, budget, recent, interval, prompt_lens, chunk, decode_afte
     then see only the kept rows); without it the prompt is held whole until its last chunk.
     Returns the kept positions ``[Hkv, rows]``."""
     def evict(h, held, scores, step):
-        over = len(held) - budget
-        last_chunk = step[2] is not None and step[1] == step[2]
-        if step[2] is not None and not last_chunk and not evict_prefill:
-            return None
-        if over > 0 and (last_chunk or over >= interval):
+        if _evicts_now(step, len(held) - budget, interval, evict_prefill):
             return h2o_select(scores, budget, recent)
         return None
 
@@ -205,11 +211,7 @@ def rkv_simulate(q, k, budget, window, interval, alpha, kernel, prompt_lens, chu
         return (rows >= e - window).float()
 
     def evict(h, held, scores, step):
-        over = len(held) - budget
-        last_chunk = step[2] is not None and step[1] == step[2]
-        if step[2] is not None and not last_chunk:
-            return None
-        if over > 0 and (last_chunk or over >= interval):
+        if _evicts_now(step, len(held) - budget, interval, evict_prefill=False):
             keys = k[held, h: h + 1].transpose(0, 1)  # [1, n, D]
             importance = scores / (window * (q.shape[1] // k.shape[1]))  # mean over buffer and group
             keep = rkv_select(importance[None], keys, budget, window, alpha, kernel)[0]
@@ -242,11 +244,7 @@ def skipkv_simulate(q, k, boundary, budget, sinks, recent, interval, max_segment
             for h in range(hkv):
                 scores[layer, h] += attention_sums(q[layer][start:end, h * g:(h + 1) * g],
                                                    k[layer][held, h: h + 1], rows)[0]
-        last_chunk = prompt_end is not None and end == prompt_end
-        if prompt_end is not None and not last_chunk and not evict_prefill:
-            continue  # the prompt is held whole until its last chunk
-        over = len(held) - budget
-        if over > 0 and (last_chunk or over >= interval):
+        if _evicts_now((start, end, prompt_end), len(held) - budget, interval, evict_prefill):
             keep = skipkv_select(scores, seg[held], budget, sinks, recent)
             held, scores = held[keep], scores[:, :, keep]
     return held
