@@ -11,7 +11,8 @@ import pytest
 import torch
 from sgl_kernel_sparse import reference
 
-from sglang_sparse.methods.kvzip import CONTEXT_KEY, probe_tokens
+from sglang_sparse.core.events import RequestSlice, StepMode
+from sglang_sparse.methods.kvzip import CONTEXT_KEY, START_KEY, probe_tokens
 from sglang_sparse.registry import ConfigError, build_config
 from toy_engine import HKV, HQ, LAYERS, D, ToyEngine, qkv
 
@@ -87,6 +88,91 @@ def test_probe_tokens_follow_the_chunked_layout():
     ctx = list(range(100, 110))
     got = probe_tokens(ctx, [1], [2], [9], chunk=4, tail=2)
     assert got == [1, 9, 100, 101, 102, 103, 2, 102, 103, 9, 104, 105, 106, 107, 2, 106, 107, 9, 108, 109]
+    # a chain continuation's new context [7, 10): probed as a later chunk (repeat_part + tail)
+    assert probe_tokens(ctx, [1], [2], [9], chunk=4, tail=2, start=7) == [2, 105, 106, 9, 107, 108, 109]
+    assert probe_tokens(ctx, [1], [2], [], chunk=2, tail=1, start=6) == [2, 105, 106, 107, 2, 107, 108, 109]
+
+
+NEW, PROBE2 = 20, 30  # a continuation's new context and its probe
+
+
+def _continuation_formula(old_pos, old_k, new_q, new_k, start, ratio):
+    """The continuation's kept positions per layer from the definition: the probe queries (after
+    the new context ``[M, M + NEW)``) attend causally to the resumed rows (per head: positions
+    ``old_pos[l][h]`` with keys ``old_k[l][h]``, all before them), the new context and the probe;
+    scores of the new context only; one global selection over its entries (no sinks: M > 4);
+    each layer widened to its widest head; the resumed positions all stay."""
+    scores = []
+    for layer in range(LAYERS):
+        per_head = []
+        for h in range(HKV):
+            keys = torch.cat([old_k[layer][h], new_k[layer][:, h]])  # [R + NEW + PROBE2, D]
+            r = old_k[layer][h].shape[0]
+            qq = new_q[layer][NEW:].view(PROBE2, HKV, HQ // HKV, D)[:, h]  # [PROBE2, group, D]
+            logits = torch.einsum("sgd,nd->gsn", qq, keys) / math.sqrt(D)
+            rows = torch.arange(keys.shape[0]).view(1, -1)
+            seen = rows <= (r + NEW + torch.arange(PROBE2)).view(-1, 1)
+            probs = torch.softmax(logits.masked_fill(~seen, float("-inf")), -1)[..., r: r + NEW]
+            per_head.append(probs.amax(dim=(0, 1)))
+        scores.append(torch.stack(per_head))
+    s = torch.stack(scores)  # [layers, Hkv, NEW]
+    mask = reference.kvzip_keep_mask(s, ratio, sinks=0)
+    from sglang_sparse.methods.kvzip import widen_to_layer
+
+    return [torch.cat([old_pos[layer], start + widen_to_layer(mask[layer], s[layer])], dim=1)
+            for layer in range(LAYERS)], int(mask.sum())
+
+
+@pytest.mark.parametrize("chunk", [1000, 9])
+def test_a_chain_continuation_scores_only_its_new_context_over_the_resumed_rows(chunk):
+    """Turn 1 compacts as above and decodes 2 tokens; the chain resumes its rows (M = CTX + 2)
+    and prefills NEW context tokens + their probe: the resumed rows stay, the new context keeps
+    what the formula keeps over resumed + new keys, the probe's rows go, nothing leaks."""
+    ratio = 0.3
+    q, k, v = qkv(CTX + PROBE, seed=21)
+    eng = ToyEngine("kvzip", {"keep_ratio": ratio})
+    free0 = eng.store.free_count()
+    eng.prefill("a", 0, q, k, v, 1000, metadata={CONTEXT_KEY: CTX})
+    dec = [qkv(1, seed=30 + i) for i in range(2)]
+    for dq, dk, dv in dec:
+        eng.decode("a", 0, dq, dk, dv)
+    ret, meta = eng.ctl.cache.retained("a"), dict(eng.ctl.cache.requests["a"].metadata)
+    start = ret.logical_len
+    assert start == CTX + 2
+    old_pos = [ret.layer_positions(layer) for layer in range(LAYERS)]
+    old_k = [[eng.ctl.cache.keys("a", layer)[:, h] for h in range(HKV)] for layer in range(LAYERS)]
+    eng.ctl.request_finished("a")  # the chain keeps row 0 and its slots
+    rows1 = ret.n_rows
+    nq, nk, nv = qkv(NEW + PROBE2, seed=23)
+    total = start + NEW + PROBE2
+    eng.ctl.request_resumed("b", 0, total, ret, {**meta, CONTEXT_KEY: start + NEW, START_KEY: start})
+    c0 = dict(eng.ctl.runtime.counters)
+    freed = 0
+    for lo in range(0, NEW + PROBE2, chunk):
+        hi = min(lo + chunk, NEW + PROBE2)
+        s = RequestSlice("b", 0, start + lo, start + hi, eng.ctl.cache.retained("b").n_rows, total)
+        freed += eng.run_step(StepMode.PREFILL, [s], [x[lo:hi] for x in nq], [x[lo:hi] for x in nk],
+                              [x[lo:hi] for x in nv])
+    want, selected = _continuation_formula(old_pos, old_k, nq, nk, start, ratio)
+    ret = eng.ctl.cache.retained("b")
+    assert ret.logical_len == start + NEW
+    assert 0 < selected < int(ratio * LAYERS * HKV * NEW) + 1
+    for layer in range(LAYERS):
+        assert torch.equal(ret.layer_positions(layer), want[layer]), layer
+        kept = eng.ctl.cache.keys("b", layer)
+        r = old_pos[layer].shape[1]
+        for h in range(HKV):
+            torch.testing.assert_close(kept[:r, h], old_k[layer][h])
+            torch.testing.assert_close(kept[r:, h], nk[layer][want[layer][h, r:] - start, h])
+    engine_rows = -(-sum(w.shape[1] for w in want) // LAYERS)
+    assert freed == rows1 + NEW + PROBE2 - engine_rows
+    c1 = eng.ctl.runtime.counters
+    assert c1["kvzip_padded_entries"] - c0["kvzip_padded_entries"] == \
+        sum(w.shape[1] - p.shape[1] for w, p in zip(want, old_pos)) * HKV - selected
+    assert c1["rows_released"] - c0["rows_released"] == \
+        sum(p.shape[1] + NEW + PROBE2 - w.shape[1] for w, p in zip(want, old_pos))
+    eng.finish("b", 0)
+    assert eng.store.free_count() == free0
 
 
 def test_bad_options_get_a_sentence():
@@ -100,6 +186,6 @@ def test_launcher_serves_kvzip_and_checks_its_flags():
     from sglang_sparse.srt.launcher import sparse_config
 
     config, _ = sparse_config(["--sparse-method", "kvzip", "--sparse-keep-ratio", "0.3"], log=lambda *_: None)
-    assert config["method"] == "kvzip" and config["chain_cache"] is False
+    assert config["method"] == "kvzip" and config["chain_cache"] is True  # auto: on, as for every evicting method
     with pytest.raises(ConfigError, match=r"keep_ratio=2.0 is out of range"):
         sparse_config(["--sparse-method", "kvzip", "--sparse-keep-ratio", "2"], log=lambda *_: None)

@@ -5,10 +5,13 @@ engine/probe.py). Keep ratio 1.0 keeps every context row, so greedy output equal
 on the client's prompt; the probe rows are released (exact slot accounting, no leak); the
 retention map of a running request holds exactly the logical positions ``[0, prompt + decoded)``
 (no probe position); streaming and the OpenAI route see only generated tokens; errors are 400
-sentences. A second server at keep ratio 0.3 keeps, per layer and KV head, exactly the positions of the
+sentences. Chain Cache (on by default): a continuation resumes the parked rows, prefills only its
+new tokens and a probe of its new context; at keep ratio 1 every turn's output equals HF greedy
+on the whole conversation. A second server at keep ratio 0.3 keeps, per layer and KV head, exactly the positions of the
 plain-torch reference (``kvzip_probe_scores`` / ``kvzip_keep_mask`` on HF's q and k of the same
 prefill; the global mask's count also checked through the method counters), the sinks and the
-last prompt token always."""
+last prompt token always; there a continuation keeps the chain's earlier rows as they were and
+selects in its new context alone, by the same global count."""
 
 from __future__ import annotations
 
@@ -48,10 +51,32 @@ def hf_greedy(model, ids, n):
     return out[0, len(ids):].tolist()
 
 
-def probe_len(tok, ids) -> int:
+def hf_argmax(model, ids, n):
+    """Greedy decoding by argmax (end-of-text tokens included, as ``ignore_eos`` serves them;
+    ``generate`` with ``min_new_tokens`` would suppress them)."""
+    out = []
+    with torch.no_grad():
+        step = model(torch.tensor([ids]), use_cache=True)
+        for _ in range(n):
+            out.append(int(step.logits[0, -1].argmax()))
+            step = model(torch.tensor([out[-1:]]), past_key_values=step.past_key_values, use_cache=True)
+    return out
+
+
+def probe_len(tok, ids, start: int = 0) -> int:
+    """The probe's length for a prompt ``ids`` (a chain continuation resuming ``start`` tokens:
+    the probe of its new context)."""
     from sglang_sparse.methods.kvzip import KVzipConfig, KVzipRuntime
 
-    return len(KVzipRuntime.probe_ids(KVzipConfig(), ids[:-1], lambda t: tok.encode(t, add_special_tokens=False)))
+    texts = KVzipRuntime.probe_texts(lambda t: tok.encode(t, add_special_tokens=False))
+    return len(KVzipRuntime.probe_ids(KVzipConfig(), ids[:-1], texts, start))
+
+
+def drop_chains(server) -> None:
+    """Delete the idle chains (every request parks its rows: Chain Cache is on)."""
+    for rec in requests.get(server.base_url + "/chain", timeout=60).json()["chains"]:
+        if rec["status"] == "idle":
+            assert requests.delete(f"{server.base_url}/chain/{rec['chain_id']}", timeout=60).status_code == 200
 
 
 def kvzip_reference(model, tok, ids, ratio):
@@ -65,7 +90,8 @@ def kvzip_reference(model, tok, ids, ratio):
     from sglang_sparse.methods.kvzip import KVzipConfig, KVzipRuntime, widen_to_layer
 
     ctx = ids[:-1]
-    probe = KVzipRuntime.probe_ids(KVzipConfig(), ctx, lambda t: tok.encode(t, add_special_tokens=False))
+    probe = KVzipRuntime.probe_ids(KVzipConfig(), ctx, KVzipRuntime.probe_texts(
+        lambda t: tok.encode(t, add_special_tokens=False)))
     seen, rope = [], modeling_llama.apply_rotary_pos_emb
 
     def record(q, k, *args, **kwargs):
@@ -97,6 +123,7 @@ def gen(server, ids, n=NEW, **extra):
 
 def test_keep_all_equals_dense_and_releases_exactly_the_probe(full, hf):
     tok, model = hf
+    drop_chains(full)  # the server's warm-up request parked a chain
     before = stats(full)
     for text in PROMPTS:
         ids = tok.encode(text)
@@ -118,6 +145,7 @@ def test_keep_all_equals_dense_and_releases_exactly_the_probe(full, hf):
         assert c1["slots_released"] - c0["slots_released"] == probe_len(tok, ids), (c0, c1)
         layers = model.config.num_hidden_layers
         assert c1["rows_released"] - c0["rows_released"] == probe_len(tok, ids) * layers, (c0, c1)
+    drop_chains(full)
     after = stats(full)
     assert after["running_requests"] == 0 and after["integrity"]["ok"], after["integrity"]
     assert after["kv_free_slots"] == before["kv_free_slots"] == after["kv_total_slots"]
@@ -145,6 +173,7 @@ def test_stream_retention_and_openai(full, hf):
     assert resp.status_code == 200, resp.text
     usage = resp.json()["usage"]
     assert usage["prompt_tokens"] == len(tok.encode(PROMPTS[0])) and usage["completion_tokens"] <= 4
+    drop_chains(full)
     assert stats(full)["kv_free_slots"] == stats(full)["kv_total_slots"]
 
 
@@ -157,8 +186,57 @@ def test_refusals_are_sentences(full):
     assert parallel.status_code == 400 and "parallel samples" in parallel.text, parallel.text
     one = gen(full, [1000], 2)  # no context to score: served without a probe
     assert one.status_code == 200 and one.json()["meta_info"]["prompt_tokens"] == 1, one.text
-    chain = gen(full, [1000, 1001, 1002], 2, chain_id="c1")
-    assert chain.status_code == 400 and "does not support Chain Cache" in chain.text, chain.text
+    session = gen(full, [1000, 1001, 1002], 2, session_params={"id": "s1"})
+    assert session.status_code == 400 and "session_params" in session.text and "chain_id" in session.text, session.text
+    # a continuation whose new context + probe do not fit: 400 from the scheduler, the chain stays
+    head = [1000 + i for i in range(40)]
+    out = gen(full, head, 2).json()
+    first = out["meta_info"]
+    long = gen(full, head + out["output_ids"] + [2000 + i for i in range(POOL * 2 // 3)], 2,
+               chain_id=first["chain_id"])
+    assert long.status_code == 400 and "input_ids gives a prompt of" in long.text, long.text
+    assert "reconstruction probe" in long.text, long.text
+    rec = requests.get(f"{full.base_url}/chain/{first['chain_id']}", timeout=60).json()
+    assert rec["status"] == "idle", rec
+    drop_chains(full)
+    assert stats(full)["kv_free_slots"] == stats(full)["kv_total_slots"]
+
+
+def test_chain_continuations_equal_hf_on_the_whole_conversation(full, hf):
+    """Keep ratio 1: each turn resumes the chain's rows, prefills only its new tokens + the probe
+    of its new context (exactly the probe's rows released after), and greedy output equals HF on
+    the whole conversation; a turn whose only new token is its last runs no probe."""
+    tok, model = hf
+    ids = tok.encode(PROMPTS[0])
+    out = gen(full, ids).json()
+    cid, layers = out["meta_info"]["chain_id"], model.config.num_hidden_layers
+    assert out["meta_info"]["chain_status"] == "created"
+    turns = [tok.encode(" The capital of Germany is", add_special_tokens=False),
+             tok.encode("\nQ: and of Portugal?\nA:", add_special_tokens=False), []]
+    for n, extra in enumerate(turns):
+        done = ids + out["output_ids"]
+        rec = requests.get(f"{full.base_url}/chain/{cid}", timeout=60).json()
+        assert rec["status"] == "idle" and rec["processed_tokens"] == len(done) - 1, rec  # the last: no KV yet
+        start = rec["processed_tokens"]
+        ids = done + extra
+        c0 = stats(full)["counters"]
+        resp = gen(full, ids, chain_id=cid)
+        assert resp.status_code == 200, resp.text
+        out = resp.json()
+        meta = out["meta_info"]
+        assert (meta["chain_id"], meta["chain_status"], meta["reused_tokens"]) == (cid, "resumed", start)
+        assert meta["cached_tokens"] == start and meta["prompt_tokens"] == len(ids), meta
+        assert out["output_ids"] == hf_argmax(model, ids, NEW), n
+        c1 = stats(full)["counters"]
+        probe = probe_len(tok, ids, start) if len(ids) - 1 > start else 0
+        assert c1["kvzip_probes"] - c0["kvzip_probes"] == (1 if probe else 0), (n, c0, c1)
+        assert c1["slots_released"] - c0["slots_released"] == probe, (n, c0, c1)
+        assert c1["rows_released"] - c0["rows_released"] == probe * layers, (n, c0, c1)
+    assert probe == 0  # the last turn sends the conversation as it is: only its last token is new
+    s = stats(full)
+    assert s["running_requests"] == 0 and s["integrity"]["ok"], s["integrity"]
+    assert s["kv_free_slots"] + s["chain_idle_rows"] == s["kv_total_slots"]
+    drop_chains(full)
     assert stats(full)["kv_free_slots"] == stats(full)["kv_total_slots"]
 
 
@@ -168,11 +246,12 @@ def test_bad_flags_are_launcher_sentences():
 
     with pytest.raises(ConfigError, match="keep_ratio=0.0 is out of range"):
         sparse_config(["--device", "cpu", "--sparse-method", "kvzip", "--sparse-keep-ratio", "0"], log=lambda m: None)
-    with pytest.raises(ConfigError, match="--chain-cache on is not supported by --sparse-method kvzip"):
-        sparse_config(["--device", "cpu", "--sparse-method", "kvzip", "--chain-cache", "on"], log=lambda m: None)
     config, _ = sparse_config(["--device", "cpu", "--sparse-method", "kvzip", "--sparse-keep-ratio", "0.4"],
                               log=lambda m: None)
-    assert config["method"] == "kvzip" and config["chain_cache"] is False
+    assert config["method"] == "kvzip" and config["chain_cache"] is True
+    config, _ = sparse_config(["--device", "cpu", "--sparse-method", "kvzip", "--chain-cache", "off"],
+                              log=lambda m: None)
+    assert config["chain_cache"] is False
 
 
 RATIO = 0.3
@@ -217,5 +296,45 @@ def test_global_threshold_counts_sinks_and_last_token_kept(third, hf):
     held = ctx + probe_len(tok, ids)
     assert c1["evictions"] == c0["evictions"] + 1
     assert c1["rows_released"] - c0["rows_released"] == layers * held - widened // heads, (c0, c1)
+    drop_chains(third)
+    s = stats(third)
+    assert s["running_requests"] == 0 and s["integrity"]["ok"] and s["kv_free_slots"] == s["kv_total_slots"]
+
+
+def test_a_continuation_keeps_earlier_rows_and_selects_in_its_new_context(third, hf):
+    """Ratio 0.3: turn 2's retention keeps turn 1's positions exactly; in the new context
+    ``[M, P)`` each layer keeps one count per head, and the counts add up to the global
+    selection over ``layers * heads * (P - M)`` entries (plus the layer widening)."""
+    tok, _ = hf
+    ids = tok.encode(PROMPTS[1] * 2)
+    out = gen(third, ids).json()
+    cid = out["meta_info"]["chain_id"]
+    before = requests.get(f"{third.base_url}/chain/{cid}/retention", timeout=60).json()
+    start = before["logical_len"]
+    ids = ids + out["output_ids"] + tok.encode(PROMPTS[0], add_special_tokens=False)
+    c0 = stats(third)["counters"]
+    resp = gen(third, ids, chain_id=cid)
+    assert resp.status_code == 200, resp.text
+    meta = resp.json()["meta_info"]
+    assert (meta["chain_status"], meta["reused_tokens"], meta["prompt_tokens"]) == ("resumed", start, len(ids))
+    c1 = stats(third)["counters"]
+    assert c1["kvzip_probes"] == c0["kvzip_probes"] + 1
+    after = requests.get(f"{third.base_url}/chain/{cid}/retention", timeout=60).json()
+    ctx, heads, layers = len(ids) - 1, after["kv_heads"], after["num_layers"]
+    widened = 0
+    for old, new in zip(before["layers"], after["layers"]):
+        counts = set()
+        for h_old, h_new in zip(old["heads"], new["heads"]):
+            kept_old, kept = expand_ranges(h_old["ranges"]), expand_ranges(h_new["ranges"])
+            assert [p for p in kept if p < start] == kept_old  # earlier turns' rows stay
+            fresh = [p for p in kept if start <= p < ctx]
+            counts.add(len(fresh))
+            assert [p for p in kept if p >= ctx] == list(range(ctx, after["logical_len"]))
+        assert len(counts) == 1
+        widened += counts.pop() * heads
+    selected = widened - (c1["kvzip_padded_entries"] - c0["kvzip_padded_entries"])
+    assert selected == int(RATIO * layers * heads * (ctx - start))
+    assert widened < 0.8 * layers * heads * (ctx - start)
+    drop_chains(third)
     s = stats(third)
     assert s["running_requests"] == 0 and s["integrity"]["ok"] and s["kv_free_slots"] == s["kv_total_slots"]

@@ -59,14 +59,22 @@ class SparseMethodRuntime:
     reads_tokens = False
 
     @classmethod
-    def probe_ids(cls, config, context: list[int], encode) -> list[int]:
-        """``needs_engine_probe``: the probe's token ids that the engine prefills after
-        ``context`` (``encode(text)`` gives a text's token ids, no special tokens)."""
+    def probe_texts(cls, encode) -> dict:
+        """``needs_engine_probe``: the probe's fixed parts as token ids (``encode(text)`` gives a
+        text's ids, no special tokens), built once in the HTTP process for ``probe_ids``."""
         raise NotImplementedError
 
-    def probe_metadata(self, context_len: int) -> dict:
+    @classmethod
+    def probe_ids(cls, config, context: list[int], texts: dict, start: int = 0) -> list[int]:
+        """``needs_engine_probe``: the probe's token ids that the engine prefills after
+        ``context``, scoring ``context[start:]`` (``start`` > 0: a chain continuation's new
+        context; the earlier tokens are the chain's)."""
+        raise NotImplementedError
+
+    def probe_metadata(self, context_len: int, start: int = 0) -> dict:
         """``needs_engine_probe``: the request metadata a request starts with whose prompt is
-        ``context_len`` context tokens followed by ``probe_ids`` (engine/probe.py)."""
+        ``context_len`` context tokens followed by ``probe_ids`` of ``context[start:]``
+        (engine/probe.py)."""
         return {}
 
     @classmethod

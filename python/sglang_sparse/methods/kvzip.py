@@ -10,7 +10,9 @@ queries and over the query heads of h's GQA group of their causal softmax attent
 all dropped; decode continues at logical position P.
 
 Logical vs retained rows: while the probe runs the request holds rows ``[0, P + S)`` (context,
-then the S probe tokens, identity map). The compaction keeps in layer l ``B_l`` rows per KV head
+then the S probe tokens, identity map); a chain continuation holds ``R_l`` resumed rows in layer l
+(logical positions ``< M``, per head) and then rows for ``[M, P + S)`` in order, so row
+``R_l + (x - M)`` holds logical position x there. The compaction keeps in layer l ``B_l`` rows per KV head
 (logical positions ``< P``) in the per-layer flat-cell store (``CacheManager.compact_layers``,
 as PyramidKV), so each layer frees its own drops; afterwards ``logical_len = P`` and new tokens
 take rows after the packed region.
@@ -37,8 +39,18 @@ Choices the paper leaves open (or that the store imposes):
   last prompt token is therefore never scored and always kept (every layer and head; its row is
   written after the compaction). A one-token prompt has no context to score: it is served with
   no probe. ``meta_info.prompt_tokens`` is the client's N;
-- Chain Cache is off (a continuation would need its own probe over the resumed rows): a request
-  naming a ``chain_id`` is refused with 400, ``--chain-cache on`` at launch with a sentence.
+- Chain Cache (on by default, as for every method that evicts): a turn parks its compacted rows;
+  a continuation that resumes M logical tokens prefills only its new context ``[M, P)`` and a
+  probe over that context alone, built as the paper builds the probe of a later context chunk
+  (``repeat_part`` + the last ``tail`` tokens before M, then the new tokens, in chunks; the
+  scheduler builds it once it knows M, ``srt/engine/probe.rebase``). The probe's queries attend
+  to everything the request holds (the resumed rows of earlier turns, the new context, the probe
+  so far); only the new context ``[M, P)`` is scored and selected, by the same global rule over
+  its ``layers * kv_heads * (P - M)`` entries (sinks only where they fall in it); the resumed
+  rows stay as earlier turns kept them. A continuation with no new context (the prompt extends
+  the chain by its last token only) runs no probe;
+- SGLang sessions (``session_params``) are refused with 400: SGLang builds a session's next
+  prompt from the previous one, probe included; continue with ``chain_id`` instead;
 - limits of the served path: prompt + probe (a little over twice the prompt) must fit the
   server's input limit (400 naming the prompt's field otherwise); a request SGLang retracts
   (KV pool exhausted mid-decode) is re-prefilled without the probe (its prompt then holds the
@@ -70,6 +82,7 @@ from sglang_sparse.core.views import CellsDecodeView
 from sglang_sparse.registry import ConfigError, check_range, register_method
 
 CONTEXT_KEY = "kvzip_context"  # request metadata: the context length P (the probe follows it)
+START_KEY = "kvzip_start"  # request metadata: M, the first context position scored (a resumed chain's)
 QUERY_BLOCK = 256  # probe queries scored at once (bounded memory: [Hq, block, P + S] fp32)
 
 
@@ -90,12 +103,13 @@ class KVzipConfig:
 
 
 def probe_tokens(context: list[int], repeat: list[int], repeat_part: list[int], suffix: list[int],
-                 chunk: int, tail: int) -> list[int]:
-    """The reconstruction probe's token ids for a context: per chunk of ``chunk`` context tokens,
-    ``repeat`` (first chunk) or ``repeat_part`` + the previous chunk's last ``tail`` tokens,
-    then ``suffix`` and the chunk itself (teacher-forced reconstruction)."""
+                 chunk: int, tail: int, start: int = 0) -> list[int]:
+    """The reconstruction probe's token ids for ``context[start:]``: per chunk of ``chunk``
+    context tokens from ``start``, ``repeat`` (a chunk at position 0) or ``repeat_part`` + the
+    ``tail`` tokens before the chunk, then ``suffix`` and the chunk itself (teacher-forced
+    reconstruction). ``start > 0``: a chain continuation's new context, probed as a later chunk."""
     out: list[int] = []
-    for i in range(0, max(len(context), 1), chunk):
+    for i in range(start, max(len(context), start + 1), chunk):
         head = repeat if i == 0 else repeat_part + context[max(0, i - tail): i]
         out += head + suffix + context[i: i + chunk]
     return out
@@ -111,11 +125,17 @@ def widen_to_layer(mask: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     return torch.sort(order, dim=1).values
 
 
+def _resumed_rows(ret, layer: int, start: int) -> int:
+    """Rows of ``layer`` before a continuation's new context (positions ``< start``)."""
+    if not ret.per_layer:
+        return start  # identity rows (a chain whose earlier turns were never compacted)
+    return int((ret.layer_positions(layer)[0] < start).sum())
+
+
 @register_method("kvzip", "eviction", KVzipConfig, "context-reconstruction scores, one global keep ratio")
 class KVzipRuntime(EvictingRuntime):
     per_layer_rows = True
     graph_decode = True  # decode reads each layer's rows through the cell tables (as PyramidKV)
-    supports_chains = False
     needs_engine_probe = True  # the engine must prefill ``probe_tokens`` after the prompt
 
     def __init__(self, cache, config: KVzipConfig | None = None) -> None:
@@ -125,13 +145,18 @@ class KVzipRuntime(EvictingRuntime):
         self.counters = {"evictions": 0, "rows_released": 0, "kvzip_probes": 0, "kvzip_padded_entries": 0}
 
     @classmethod
-    def probe_ids(cls, config: KVzipConfig, context: list[int], encode) -> list[int]:
-        """The chunked reconstruction probe after ``context`` (texts shared with ``/prune``)."""
+    def probe_texts(cls, encode) -> dict:
+        """The probe's fixed token ids (texts shared with ``/prune``), for ``probe_ids``."""
         repeat, repeat_part = kvzip_prompt_ids(encode)
-        return probe_tokens(context, repeat, repeat_part, [], config.chunk, config.tail)
+        return {"repeat": repeat, "repeat_part": repeat_part}
 
-    def probe_metadata(self, context_len: int) -> dict:
-        return {CONTEXT_KEY: context_len}
+    @classmethod
+    def probe_ids(cls, config: KVzipConfig, context: list[int], texts: dict, start: int = 0) -> list[int]:
+        """The chunked reconstruction probe of ``context[start:]``, to prefill after ``context``."""
+        return probe_tokens(context, texts["repeat"], texts["repeat_part"], [], config.chunk, config.tail, start)
+
+    def probe_metadata(self, context_len: int, start: int = 0) -> dict:
+        return {CONTEXT_KEY: context_len, START_KEY: start}
 
     def decode_view_tensors(self, batch: DecodeBatch) -> CellsDecodeView:
         return CellsDecodeView(self.tables, batch.layer_id)
@@ -152,31 +177,43 @@ class KVzipRuntime(EvictingRuntime):
             if r.is_last_prompt_chunk and meta.get(CONTEXT_KEY) is not None and meta.get("probe_q"):
                 self.schedule(r.rid)
 
-    def scores(self, rid: str) -> torch.Tensor:
-        """``[layers, Hkv, P]`` reconstruction scores of the context (from the buffered probe)."""
+    def scores(self, rid: str) -> tuple[torch.Tensor, list[int]]:
+        """``[layers, Hkv, P - M]`` reconstruction scores of the new context ``[M, P)`` (from the
+        buffered probe), and per layer the count ``R_l`` of resumed rows before it (0 unless the
+        request resumed a chain)."""
         state = self.cache.requests[rid]
         ctx, probe_q = state.metadata[CONTEXT_KEY], state.metadata.pop("probe_q")
-        out = []
+        start = state.metadata.get(START_KEY, 0)
+        out, resumed = [], []
         for layer in range(self.cache.store.num_layers):
             q = torch.cat(probe_q[layer])  # [S, Hq, D], logical positions [P, P + S)
-            keys = self.cache.keys(rid, layer)  # identity rows: row j = position j
+            keys = self.cache.keys(rid, layer)  # [rows, Hkv, D], row order
+            # rows [0, R) hold resumed positions < M (all visible to the probe); row R + (x - M)
+            # holds logical position x >= M, so the causal mask compares rows
+            r = _resumed_rows(state.retained, layer, start)
             best = None
             for b in range(0, q.shape[0], QUERY_BLOCK):
-                pos = torch.arange(ctx + b, ctx + min(b + QUERY_BLOCK, q.shape[0]))
-                s = kvzip_probe_scores(q[b: b + QUERY_BLOCK], keys, pos.to(keys.device), ctx).cpu()
+                rows = torch.arange(ctx + b, ctx + min(b + QUERY_BLOCK, q.shape[0])) - start + r
+                s = kvzip_probe_scores(q[b: b + QUERY_BLOCK], keys, rows.to(keys.device), r + ctx - start).cpu()
                 best = s if best is None else torch.maximum(best, s)
-            out.append(best)
-        return torch.stack(out)
+            out.append(best[:, r:])
+            resumed.append(r)
+        return torch.stack(out), resumed
 
     def plan(self, rid: str) -> list[torch.Tensor]:
-        scores = self.scores(rid)
-        mask = kvzip_keep_mask(scores, self.config.keep_ratio, self.config.sinks)
-        keep = [widen_to_layer(mask[layer], scores[layer]) for layer in range(scores.shape[0])]
+        state = self.cache.requests[rid]
+        start = state.metadata.get(START_KEY, 0)
+        scores, resumed = self.scores(rid)
+        # sinks are the sequence's first positions: in a continuation's new context only if M < sinks
+        mask = kvzip_keep_mask(scores, self.config.keep_ratio, max(0, self.config.sinks - start))
+        widened = [widen_to_layer(mask[layer], scores[layer]) for layer in range(scores.shape[0])]
+        ret = state.retained  # earlier turns' kept rows (positions < M) stay as they are
+        keep = [torch.cat([ret.layer_positions(layer)[:, :r], start + w], dim=1)
+                for layer, (r, w) in enumerate(zip(resumed, widened))]
         self.counters["kvzip_probes"] += 1
-        self.counters["kvzip_padded_entries"] += sum(k.numel() for k in keep) - int(mask.sum())
-        held = self.cache.requests[rid].retained.n_rows  # P + S: the context and the probe
-        self.bump("evictions")
-        self.bump("rows_released", sum(held - k.shape[1] for k in keep))
+        self.counters["kvzip_padded_entries"] += sum(w.numel() for w in widened) - int(mask.sum())
+        self.bump("evictions")  # each layer held its resumed rows, then the new context and the probe
+        self.bump("rows_released", sum(ret.layer_len(layer) - k.shape[1] for layer, k in enumerate(keep)))
         return keep
 
     def apply_pending(self, only: set[str] | None = None) -> int:
@@ -186,5 +223,6 @@ class KVzipRuntime(EvictingRuntime):
             state = self.cache.requests.get(rid)
             if state is not None:
                 ctx = state.metadata.pop(CONTEXT_KEY)
+                state.metadata.pop(START_KEY, None)
                 state.retained.logical_len = state.prompt_len = ctx
         return freed

@@ -354,7 +354,7 @@ def around_generate_request(original, manager, obj, request=None, *args, **kwarg
         STATE.http.inflight[chain_id] = (obj.rid, request)
         done = False
         try:
-            async for out in original(manager, obj, request, *args, **kwargs):
+            async for out in probe.fix_prompt_tokens(original(manager, obj, request, *args, **kwargs), obj):
                 if _finish_reason(out) is not None:
                     done = True
                     _forget(chain_id, obj.rid)

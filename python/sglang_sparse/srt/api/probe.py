@@ -16,7 +16,15 @@ rewritten in place to ``prompt[:N-1] + probe_ids(prompt[:N-1])`` (N - 1 + S toke
 The scheduler reports ``len(origin_input_ids) = N + S`` prompt tokens; ``fix_prompt_tokens``
 gives the client its N back (``meta_info.prompt_tokens``, hence OpenAI ``usage``).
 A one-token prompt has no context to score and is served as is; ``n > 1`` (parallel samples of
-one prompt) is refused with a 400.
+one prompt) and SGLang sessions (``session_params``: SGLang would build the next prompt from this
+one, probe included) are refused with a 400.
+
+A request that continues a chain (``custom_params.chain_id``) is not rewritten here: only the
+scheduler knows how many of its tokens the chain holds (M), and the probe covers the new context
+``prompt[M:N-1]`` alone. ``PROBE_PARAM`` then also carries the probe's fixed token ids
+(``texts``), the prompt's field name and ``chain: true``; the scheduler rewrites the prompt
+(``engine/probe.rebase``) and reports the probe's length back in the chain fields of the first
+output (``chains/http.py`` stores it for ``fix_prompt_tokens``).
 """
 
 from __future__ import annotations
@@ -56,35 +64,55 @@ def rewrite_prompt(manager, obj, input_ids: list, field: str) -> None:
         return
     runtime, config, method = found
     sp = obj.sampling_params if isinstance(obj.sampling_params, dict) else {}
+    if obj.session_params is not None:
+        raise RequestError("session_params", f"--sparse-method {method} prefills a reconstruction probe after each "
+                                             "prompt, which SGLang would carry into the session's next prompt: "
+                                             "leave session_params out and continue the conversation with chain_id")
     n = sp.get("n", 1)
     if (getattr(obj, "parallel_sample_num", 1) or 1) > 1 or (isinstance(n, int) and n > 1):
         raise RequestError("n", f"--sparse-method {method} prefills a reconstruction probe per request and cannot "
                                 "serve parallel samples of one prompt (n > 1) yet: send n = 1, as separate requests")
     tokenizer = manager.tokenizer
     context = list(input_ids[:-1])
-    probe = runtime.probe_ids(config, context, lambda text: tokenizer.encode(text, add_special_tokens=False))
-    max_new = sp.get("max_new_tokens") or 0
-    prefill = len(context) + len(probe)
-    max_input = manager.max_req_input_len  # the scheduler's limit (KV pool, context length)
-    if max_input is not None and prefill >= max_input:
-        raise RequestError(field, f"{field} gives a prompt of {len(input_ids)} tokens; --sparse-method {method} "
-                                  f"prefills a reconstruction probe of {len(probe)} tokens after it, and the "
-                                  f"{prefill} tokens of prompt + probe reach this server's input limit of "
-                                  f"{max_input} tokens: send a shorter prompt (the probe repeats the prompt, so "
-                                  "prompt + probe is a little over twice the prompt)")
-    need = len(input_ids) + len(probe) + (max_new if isinstance(max_new, int) else 0)
-    if need > manager.context_len:
-        raise RequestError(field, f"{field} gives a prompt of {len(input_ids)} tokens; --sparse-method {method} "
-                                  f"prefills a reconstruction probe of {len(probe)} tokens after it, and prompt + "
-                                  f"probe + max_new_tokens ({max_new}) = {need} tokens exceed the model's context "
-                                  f"length of {manager.context_len} tokens: send a shorter prompt or ask for fewer "
-                                  "new tokens")
+    texts = runtime.probe_texts(lambda text: tokenizer.encode(text, add_special_tokens=False))
     custom = dict(sp.get("custom_params") or {})
+    if "chain_id" in custom:  # the scheduler probes the new context once it knows the chain's part
+        custom[PROBE_PARAM] = {"context": len(context), "last": int(input_ids[-1]), "hidden": 0, "chain": True,
+                               "texts": texts, "field": field}
+        obj.sampling_params = {**sp, "custom_params": custom}
+        if isinstance(obj.rid, str):
+            _hidden()[obj.rid] = 0  # set from the first output (chains/http.py)
+        return
+    probe = runtime.probe_ids(config, context, texts)
+    max_new = sp.get("max_new_tokens") or 0
+    message = too_long(field, method, len(input_ids), len(probe), max_new if isinstance(max_new, int) else 0,
+                       manager.max_req_input_len, manager.context_len)
+    if message is not None:
+        raise RequestError(field, message)
     custom[PROBE_PARAM] = {"context": len(context), "last": int(input_ids[-1]), "hidden": len(probe)}
     obj.sampling_params = {**sp, "custom_params": custom}
     input_ids[:] = context + probe  # the list SGLang goes on to tokenize into the request
     if isinstance(obj.rid, str):
         _hidden()[obj.rid] = len(probe)
+
+
+def too_long(field: str, method: str, prompt: int, probe: int, max_new: int, max_input, context_len: int):
+    """The 400 sentence for a prompt of ``prompt`` tokens whose probe of ``probe`` tokens does not
+    fit the scheduler's input limit or the model's context length (None: it fits). The HTTP
+    process checks a whole prompt's probe, the scheduler a chain continuation's."""
+    prefill = prompt - 1 + probe
+    if max_input is not None and prefill >= max_input:
+        return (f"{field} gives a prompt of {prompt} tokens; --sparse-method {method} prefills a reconstruction "
+                f"probe of {probe} tokens after it, and the {prefill} tokens of prompt + probe reach this server's "
+                f"input limit of {max_input} tokens: send a shorter prompt (the probe repeats the tokens it "
+                "scores: the whole prompt, or a chain continuation's new tokens)")
+    need = prompt + probe + max_new
+    if need > context_len:
+        return (f"{field} gives a prompt of {prompt} tokens; --sparse-method {method} prefills a reconstruction "
+                f"probe of {probe} tokens after it, and prompt + probe + max_new_tokens ({max_new}) = {need} tokens "
+                f"exceed the model's context length of {context_len} tokens: send a shorter prompt or ask for "
+                "fewer new tokens")
+    return None
 
 
 def fix_prompt_tokens(outputs, obj):

@@ -14,7 +14,7 @@ The ``chain_id`` of a request is checked and moved into ``custom_params`` by ``h
 
 from __future__ import annotations
 
-from sglang_sparse.srt.chains.scheduler import INFO_KEY
+from sglang_sparse.srt.chains.scheduler import INFO_KEY, PROBE_INFO
 from sglang_sparse.srt.state import STATE
 
 
@@ -26,6 +26,10 @@ def around_update_meta_info(original, manager, meta_info, state_, customized_inf
     values = meta_info.pop(INFO_KEY, None)
     info = next((v for v in values if isinstance(v, dict)), None) if isinstance(values, list) else None
     if info is not None:
+        info = dict(info)
+        probe = info.pop(PROBE_INFO, None)  # a resumed KVzip request's probe: for fix_prompt_tokens
+        if probe is not None and meta_info.get("id") in STATE.http.probe_hidden:
+            STATE.http.probe_hidden[meta_info["id"]] = probe
         meta_info.update(info)
     return out
 

@@ -36,12 +36,14 @@ from http import HTTPStatus
 from sglang_sparse.core.chain_index import (ChainBusy, ChainCacheIndex, ChainError, ChainStatus, NoChainCapacity,
                                              fingerprint)
 from sglang_sparse.srt.chains.records import Parked, Pinned, ReqChain
+from sglang_sparse.srt.engine import probe as engine_probe
 from sglang_sparse.srt.engine.admission import store_claims
 from sglang_sparse.srt.engine.held import scheduler_requests
 from sglang_sparse.srt.prune.job import PROBE_KEY
 from sglang_sparse.srt.state import STATE, sparse
 
 INFO_KEY = "sglang_sparse_chain"  # customized_info key of the chain fields (read by chains/http.py)
+PROBE_INFO = "probe_tokens"  # in those fields: a resumed request's engine-probe tokens (not shown)
 
 
 def setup(model_runner, config: dict) -> None:
@@ -83,17 +85,22 @@ def after_create_req(req, scheduler, recv_req, *args, **kwargs):
         return None  # SGLang's prefix warm-up before parallel samples (n > 1): no chain of its own
     chain_id = params.get("chain_id") if isinstance(params, dict) else None
     session = getattr(req, "session", None)
+    probe_len = None
     try:
         if chain_id is None and session is not None:
             sparse(req).chain = _session_chain(idx, session, req)
         elif chain_id is None:
             sparse(req).chain = ReqChain(idx.start(STATE.scheduler.chain_fingerprint).chain_id, "created", 0)
         else:
-            tokens = list(req.origin_input_ids)
-            _check_capacity(scheduler, idx.check_continuation(str(chain_id), STATE.scheduler.chain_fingerprint, tokens), req)
+            rec = idx.check_continuation(str(chain_id), STATE.scheduler.chain_fingerprint, list(req.origin_input_ids))
+            ctl = STATE.scheduler.controller
+            probe_len = engine_probe.rebase(req, rec.boundary, scheduler, ctl.runtime)  # KVzip
+            _check_capacity(scheduler, rec, req)
+            tokens = list(req.origin_input_ids)  # (a probe after the context: the prefix checked is the same)
             rec = idx.resume(str(chain_id), STATE.scheduler.chain_fingerprint, tokens)  # checks again: cheap
             sparse(req).chain = ReqChain(rec.chain_id, "resumed", _reused(rec), rec.payload)
     except ChainError as err:
+        engine_probe.drop(req)
         req.set_finish_with_abort(err.message, status_code=HTTPStatus(err.status), err_type=type(err).__name__)
         # SGLang finishes an aborted request through a 1-token prefill, admitted like any other:
         # its output reservation must not keep it waiting (a 503 is about exactly that)
@@ -101,6 +108,8 @@ def after_create_req(req, scheduler, recv_req, *args, **kwargs):
         return None
     ch = sparse(req).chain
     info = {"chain_id": ch.chain_id, "chain_status": ch.status, "reused_tokens": ch.reused}
+    if ch.status == "resumed" and probe_len is not None:
+        info[PROBE_INFO] = probe_len  # the HTTP process subtracts it from prompt_tokens (not shown)
     req.customized_info = {**(req.customized_info or {}), INFO_KEY: [info]}
     return None
 
@@ -269,7 +278,7 @@ def park_row(cache, req) -> bool:
         store.free_slots(store.row_slots(row, rows, allocated).clone())
     req.kv.kv_allocated_len = req.kv.kv_committed_len = rows
     park.kv = req.detach_kv()
-    tokens = (list(req.origin_input_ids) + list(req.output_ids))[: park.retained.logical_len]
+    tokens = engine_probe.logical_tokens(req)[: park.retained.logical_len]
     STATE.scheduler.chains.park(sparse(req).chain.chain_id, tokens, park, rows)
     return True
 
@@ -285,7 +294,7 @@ def pin_path(cache, req) -> None:
     cache.tree.lock(node)
     path = cache.tree.path(node)
     retained = sum(n.retained for n in path)
-    tokens = (list(req.origin_input_ids) + list(req.output_ids))[: park.retained.logical_len]
+    tokens = engine_probe.logical_tokens(req)[: park.retained.logical_len]
     pinned = Pinned(cache, node, retained, sum(len(n.key) for n in path))
     STATE.scheduler.chains.park(sparse(req).chain.chain_id, tokens, pinned, retained)
 

@@ -17,19 +17,35 @@ with ``custom_params[PROBE_PARAM] = {"context": P = N-1, "last": prompt[N-1], "h
 - ``around_update_finish_state``: SGLang appended it to the output; it moves into the prompt
   (``origin_input_ids``: N + S tokens), so finish checks, ``max_new_tokens`` and the
   detokenized text see only generated tokens. ``sparse(req).hidden = S + 1``: the prompt tokens
-  after the logical prompt (``steps.step_from_batch`` reports ``prompt_len = P``).
+  after the logical prompt (``steps.step_from_batch`` reports ``prompt_len = P``);
+- ``rebase`` (a chain continuation, from ``chains/scheduler.after_create_req`` once the chain's
+  processed length M is known): the HTTP process left the client's prompt as it was; it becomes
+  ``prompt[:N-1] + probe_ids(prompt[:N-1], start=M)`` (the probe of the new context only), or
+  stays as it is with no probe when the prompt adds nothing before its last token (M = N - 1);
+- ``logical_tokens``: the tokens the request's KV stands for (what a chain records): the prompt
+  without the probe, the last prompt token, the output.
 """
 
 from __future__ import annotations
 
-from sglang_sparse.srt.api.probe import PROBE_PARAM
+from sglang_sparse.core.chain_index import ChainError
+from sglang_sparse.srt import activation
+from sglang_sparse.srt.api.probe import PROBE_PARAM, too_long
 from sglang_sparse.srt.state import sparse
 
 
-def probe_param(req) -> dict | None:
+class ProbeTooLong(ChainError):
+    status = 400
+
+
+def probe_param(req, pending: bool = False) -> dict | None:
+    """The request's probe parameters; a chain continuation's only once ``rebase`` ran (or with
+    ``pending``)."""
     params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
     value = params.get(PROBE_PARAM) if isinstance(params, dict) else None
-    return value if isinstance(value, dict) else None
+    if not isinstance(value, dict) or (value.get("chain") and not pending):
+        return None
+    return value
 
 
 def start_metadata(req, runtime) -> dict | None:
@@ -37,7 +53,52 @@ def start_metadata(req, runtime) -> dict | None:
     param = probe_param(req)
     if param is None or not runtime.needs_engine_probe or sparse(req).hidden:
         return None
-    return runtime.probe_metadata(int(param["context"]))
+    return runtime.probe_metadata(int(param["context"]), int(param.get("start", 0)))
+
+
+def rebase(req, boundary: int, scheduler, runtime) -> int | None:
+    """A chain continuation resuming ``boundary`` (M) logical tokens: put the probe of its new
+    context ``[M, N-1)`` after ``prompt[:N-1]`` (see the module docstring). Returns the probe's
+    length (None: not a probed chain request). Raises ``ProbeTooLong`` (400) before anything
+    changed when prompt + probe do not fit."""
+    param = probe_param(req, pending=True)
+    if param is None or not param.get("chain"):
+        return None
+    context = int(param["context"])
+    if boundary >= context:  # nothing new before the last token: no probe, the prompt as sent
+        drop(req)
+        return 0
+    ids = list(req.origin_input_ids[:context])
+    probe = runtime.probe_ids(runtime.config, ids, param["texts"], boundary)
+    method = activation.load_config().get("method", "dense")
+    message = too_long(param["field"], method, context + 1, len(probe), req.sampling_params.max_new_tokens or 0,
+                       getattr(scheduler, "max_req_input_len", None), scheduler.model_config.context_len)
+    if message is not None:
+        raise ProbeTooLong(message)
+    same = req.origin_input_ids_unpadded is req.origin_input_ids
+    for seq in [req.origin_input_ids] + ([] if same else [req.origin_input_ids_unpadded]):
+        del seq[context:]
+        seq.extend(probe)
+    param.update(hidden=len(probe), start=boundary, chain=False)
+    param.pop("texts", None)
+    return len(probe)
+
+
+def drop(req) -> None:
+    """The request runs without a probe (its prompt is the client's)."""
+    params = req.sampling_params.custom_params
+    if isinstance(params, dict):
+        params.pop(PROBE_PARAM, None)
+
+
+def logical_tokens(req) -> list[int]:
+    """The tokens a request's KV stands for: ``origin_input_ids`` holds the context, the probe and
+    (once moved there) the prompt's last token; the probe is no logical token."""
+    ids = list(req.origin_input_ids)
+    hidden = sparse(req).hidden
+    if hidden:
+        ids = ids[: len(ids) - hidden] + ids[-1:]
+    return ids + list(req.output_ids)
 
 
 def force_first_tokens(step, batch, result) -> None:

@@ -82,8 +82,10 @@ def around_forward(original, worker, batch=None, *args, **kwargs):
             known = None
         if known is None:
             resumed = chains.resumed_state(req) if r.logical_start else None
-            if resumed is not None:
-                ctl.request_resumed(r.rid, r.req_row, r.prompt_len, *resumed)
+            if resumed is not None:  # + an engine probe's metadata (a KVzip continuation)
+                retained, metadata = resumed
+                metadata = {**metadata, **(probe.start_metadata(req, ctl.runtime) or {})}
+                ctl.request_resumed(r.rid, r.req_row, r.prompt_len, retained, metadata)
             else:
                 # rows [0, row_start) are resident; on a pruned radix path they stand for
                 # logical_start > row_start tokens (engine/rows.py); on cached units (KIVI's
