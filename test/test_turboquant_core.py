@@ -97,3 +97,42 @@ def test_attention_over_codes_equals_attention_over_dequantized_kv():
     exact = torch.stack([torch.softmax(k[:, h // group] @ q[h] / math.sqrt(d), 0) @ v[:, h // group]
                          for h in range(hq)])
     assert (got - exact).norm() < 0.5 * exact.norm()  # and it is an approximation of the real thing
+
+
+def test_blocks_round_trip_and_decode_over_blocks_plus_residual():
+    """The store's layout (blocks of G tokens, packed codes, fp16 norms) and decode over a block
+    table + full-precision residual rows equal plain attention over the dequantized history and
+    the residual, per request (two requests, one with no history, one with nothing)."""
+    g = torch.Generator().manual_seed(9)
+    hq, hkv, d, group, bits = 4, 2, 64, 8, 3
+    rot, c = tq.rotation(d, seed=5), tq.codebook(bits, d)
+    hist = torch.randn(3 * group, hkv, d, generator=g)
+    codes, norms = tq.quantize_blocks(hist, rot, c, bits, group)
+    assert codes.shape == (3, hkv, group, d * bits // 8) and norms.dtype == torch.float16
+    deq = tq.dequantize_blocks(codes, norms, rot, c, bits)
+    want_codes, want_norms = tq.quantize(hist, rot, c, torch.float16)
+    torch.testing.assert_close(deq, tq.dequantize(want_codes, want_norms, rot, c))
+    # a pool of 3 blocks stored out of order, residual rows in a slot pool
+    store_codes, store_norms = torch.zeros(5, *codes.shape[1:], dtype=torch.uint8), torch.zeros(5, hkv, group,
+                                                                                             dtype=torch.float16)
+    order = [4, 0, 2]
+    store_codes[order], store_norms[order] = codes, norms
+    k_cache, v_cache = torch.randn(20, hkv, d, generator=g), torch.randn(20, hkv, d, generator=g)
+    block_table = torch.tensor([[0, 0, 0], [4, 0, 2], [0, 0, 0]])
+    req_to_token = torch.tensor([[3, 7, 1, 0], [5, 6, 0, 0], [0, 0, 0, 0]])
+    q = torch.randn(3, hq, d, generator=g)
+    req_rows, n_blocks, res_len = torch.tensor([1, 0, 2]), torch.tensor([3, 0, 0]), torch.tensor([2, 3, 0])
+    got = tq.turboquant_decode_attention(q, store_codes, store_norms, store_codes, store_norms, rot, c, c,
+                                         block_table, req_rows, n_blocks, k_cache, v_cache, req_to_token, res_len,
+                                         bits)
+    for b, kv in enumerate([
+            (torch.cat([deq, k_cache[[5, 6]]]), torch.cat([deq, v_cache[[5, 6]]])),  # row 1: 3 blocks + 2 rows
+            (k_cache[[3, 7, 1]], v_cache[[3, 7, 1]]),  # row 0: residual only
+            None]):  # row 2: nothing
+        if kv is None:
+            assert torch.equal(got[b], torch.zeros(hq, d))
+            continue
+        keys, vals = kv
+        want = torch.stack([torch.softmax(keys[:, h // 2] @ q[b, h] / math.sqrt(d), 0) @ vals[:, h // 2]
+                            for h in range(hq)])
+        torch.testing.assert_close(got[b], want, atol=3e-5, rtol=1e-4)

@@ -148,7 +148,8 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """Inverse of ``pack_bits``: ``[..., P]`` uint8 -> ``[..., count]`` uint8 codes."""
     weights = torch.arange(8, device=packed.device, dtype=torch.int32)
     stream = (packed.to(torch.int32).unsqueeze(-1) >> weights) & 1  # [..., P, 8]
-    stream = stream.reshape(*packed.shape[:-1], -1)[..., : count * bits].reshape(*packed.shape[:-1], count, bits)
+    stream = stream.reshape(*packed.shape[:-1], packed.shape[-1] * 8)[..., : count * bits]
+    stream = stream.reshape(*packed.shape[:-1], count, bits)
     shifts = torch.arange(bits, device=packed.device, dtype=torch.int32)
     return (stream << shifts).sum(dim=-1).to(torch.uint8)
 
@@ -169,3 +170,75 @@ def turboquant_attention(q, k_codes, k_norms, v_codes, v_norms, rot, k_centroids
     vc = v_centroids.to(q.device)[v_codes.long()] * v_norms.float().unsqueeze(-1)
     out = torch.einsum("hgn,nhd->hgd", p, vc) @ rot  # back from the rotated space once
     return out.reshape(hq, d).to(q.dtype)
+
+
+# ------------------------------------------------------------------ blocks of G tokens (a store's unit)
+#
+# A request's quantized history is a list of blocks of G consecutive tokens (as KIVI's, quant.py),
+# each token quantized on its own (TurboQuant needs no group statistics: G is only the storage
+# unit); per layer::
+#
+#     codes [num_blocks, Hkv, G, D*b/8] uint8   (pack_bits of each token's D codes)
+#     norms [num_blocks, Hkv, G]        fp16
+#
+# and the most recent tokens (the residual) stay full precision in the engine's pool, read at
+# ``req_to_token[req_rows[b], :res_len[b]]``.
+
+
+def quantize_blocks(x, rot, centroids, bits, group, norm_dtype=torch.float16):
+    """``x [n*G, Hkv, D]`` -> ``(codes [n, Hkv, G, D*bits//8] uint8, norms [n, Hkv, G])``."""
+    t, hkv, d = x.shape
+    if group <= 0 or t % group:
+        raise ValueError(f"{t} tokens are not a whole number of blocks of {group}")
+    codes, norms = quantize(x, rot, centroids, norm_dtype)
+    n = t // group
+    packed = pack_bits(codes, bits).reshape(n, group, hkv, -1).transpose(1, 2).contiguous()
+    return packed, norms.reshape(n, group, hkv).transpose(1, 2).contiguous()
+
+
+def dequantize_blocks(codes, norms, rot, centroids, bits):
+    """Inverse of ``quantize_blocks`` (up to the quantization): ``[n*G, Hkv, D]`` fp32."""
+    n, hkv, group, packed = codes.shape
+    d = packed * 8 // bits
+    c = unpack_bits(codes, bits, d)  # [n, Hkv, G, D]
+    x = dequantize(c, norms, rot, centroids)
+    return x.transpose(1, 2).reshape(n * group, hkv, d)
+
+
+def turboquant_decode_attention(q, k_codes, k_norms, v_codes, v_norms, rot, k_centroids, v_centroids,
+                                block_table, req_rows, n_blocks, k_cache, v_cache, req_to_token, res_len,
+                                bits, scale=None):
+    """Decode attention over TurboQuant blocks + a full-precision residual, q ``[B, Hq, D]``.
+    The history is attended in the rotated space without dequantizing a key (scores from the
+    rotated query, values summed there and rotated back once); the residual as usual; one fp32
+    softmax over both (default scale ``1/sqrt(D)``). ``[B, Hq, D]`` in q's dtype; zeros for a
+    request with nothing. ``k_centroids`` / ``v_centroids`` may differ (keys and values may use
+    different bit widths: ``bits`` is then a pair ``(k_bits, v_bits)``)."""
+    kb, vb = (bits, bits) if isinstance(bits, int) else bits
+    b_, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    group = hq // hkv
+    sc = 1.0 / math.sqrt(d) if scale is None else scale
+    out = torch.zeros(b_, hq, d, dtype=torch.float32, device=q.device)
+    for b in range(b_):
+        row = int(req_rows[b])
+        blocks = block_table[row, : int(n_blocks[b])].long()
+        slots = req_to_token[row, : int(res_len[b])].long()
+        qb = q[b].float().view(hkv, group, d)
+        kc = unpack_bits(k_codes[blocks], kb, d).transpose(1, 2).reshape(-1, hkv, d)  # [n*G, Hkv, D]
+        vc = unpack_bits(v_codes[blocks], vb, d).transpose(1, 2).reshape(-1, hkv, d)
+        kn = k_norms[blocks].transpose(1, 2).reshape(-1, hkv).float()
+        vn = v_norms[blocks].transpose(1, 2).reshape(-1, hkv).float()
+        k_rot = k_centroids.to(q.device)[kc.long()] * kn.unsqueeze(-1)
+        v_rot = v_centroids.to(q.device)[vc.long()] * vn.unsqueeze(-1)
+        hist = torch.einsum("hgd,nhd->hgn", rotate(qb, rot), k_rot) * sc
+        res = torch.einsum("hgd,nhd->hgn", qb, k_cache[slots].float()) * sc
+        logits = torch.cat([hist, res], dim=-1)
+        if logits.shape[-1] == 0:
+            continue
+        p = torch.softmax(logits, dim=-1)
+        n = hist.shape[-1]
+        o = torch.einsum("hgn,nhd->hgd", p[..., :n], v_rot) @ rot
+        o = o + torch.einsum("hgn,nhd->hgd", p[..., n:], v_cache[slots].float())
+        out[b] = o.reshape(hq, d)
+    return out.to(q.dtype)
