@@ -28,26 +28,31 @@ SCALE_DTYPE = torch.float16
 
 
 class QuantizedBlockStore:
+    codec = "kivi"  # which decode kernel reads the blocks (``kernels.quantized.quantized_decode``)
+
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, num_blocks: int, bits: int,
                  group: int, device="cpu") -> None:
         self.num_layers, self.bits, self.group, self.num_blocks = num_layers, bits, group, num_blocks
-        packed = head_dim * bits // 8
-
-        def tensors(*shape, dtype):
-            return [torch.zeros(num_blocks, kv_heads, *shape, dtype=dtype, device=device)
-                    for _ in range(num_layers)]
-
-        self.k_codes = tensors(group, packed, dtype=torch.uint8)
-        self.v_codes = tensors(group, packed, dtype=torch.uint8)
-        self.k_scale = tensors(head_dim, dtype=SCALE_DTYPE)
-        self.k_min = tensors(head_dim, dtype=SCALE_DTYPE)
-        self.v_scale = tensors(group, head_dim // group, dtype=SCALE_DTYPE)
-        self.v_min = tensors(group, head_dim // group, dtype=SCALE_DTYPE)
+        self._make_tensors(kv_heads, head_dim, device)
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         # holders per block: the request that wrote it, then every request, chain or radix node
         # that shares it (``ref``); a block is free again when the last one lets go (``free``)
         self._refs = [0] * num_blocks
         self.reclaim = None  # set by the engine adapter: fn(n) frees cached blocks, True if any went
+
+    def _tensors(self, kv_heads: int, *shape, dtype, device) -> list[torch.Tensor]:
+        """One ``[num_blocks, kv_heads, *shape]`` tensor per layer."""
+        return [torch.zeros(self.num_blocks, kv_heads, *shape, dtype=dtype, device=device)
+                for _ in range(self.num_layers)]
+
+    def _make_tensors(self, kv_heads: int, head_dim: int, device) -> None:
+        group, packed = self.group, head_dim * self.bits // 8
+        self.k_codes = self._tensors(kv_heads, group, packed, dtype=torch.uint8, device=device)
+        self.v_codes = self._tensors(kv_heads, group, packed, dtype=torch.uint8, device=device)
+        self.k_scale = self._tensors(kv_heads, head_dim, dtype=SCALE_DTYPE, device=device)
+        self.k_min = self._tensors(kv_heads, head_dim, dtype=SCALE_DTYPE, device=device)
+        self.v_scale = self._tensors(kv_heads, group, head_dim // group, dtype=SCALE_DTYPE, device=device)
+        self.v_min = self._tensors(kv_heads, group, head_dim // group, dtype=SCALE_DTYPE, device=device)
 
     @staticmethod
     def block_bytes(num_layers: int, kv_heads: int, head_dim: int, bits: int, group: int) -> int:

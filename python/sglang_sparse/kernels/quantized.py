@@ -1,12 +1,13 @@
-"""Decode over a quantized history + full-precision residual (KIVI): the Triton kernel of
-``sgl_kernel_sparse.triton_kivi`` on CUDA tensors, its plain-torch reference
-(``sgl_kernel_sparse.quant``) elsewhere. Dequantization happens inside the kernel: no
-full-precision copy of the history is made."""
+"""Decode over a quantized history + full-precision residual (KIVI, TurboQuant): the Triton
+kernel of ``sgl_kernel_sparse.triton_kivi`` on CUDA tensors, the plain-torch references
+(``sgl_kernel_sparse.quant``, ``sgl_kernel_sparse.turboquant``) elsewhere. Dequantization happens
+inside the kernel: no full-precision copy of the history is made. ``quantized_decode`` picks the
+kernel by the store's ``codec``."""
 
 from __future__ import annotations
 
 import sgl_kernel_sparse
-from sgl_kernel_sparse import quant
+from sgl_kernel_sparse import quant, turboquant
 
 
 def kivi_decode(q, store, layer: int, block_table, req_rows, n_blocks, k_cache, v_cache, req_to_token,
@@ -18,3 +19,19 @@ def kivi_decode(q, store, layer: int, block_table, req_rows, n_blocks, k_cache, 
 
         return kivi_decode_attention(*args)
     return quant.kivi_decode_attention(*args)
+
+
+def turboquant_decode(q, store, layer: int, block_table, req_rows, n_blocks, k_cache, v_cache, req_to_token,
+                      res_len, scale: float):
+    """Plain torch on every device (no Triton kernel yet: the method refuses CUDA at start-up)."""
+    k_codes, k_norm, v_codes, v_norm = store.layer(layer)
+    return turboquant.turboquant_decode_attention(
+        q, k_codes, k_norm, v_codes, v_norm, store.rot, store.centroids, store.centroids, block_table, req_rows,
+        n_blocks, k_cache, v_cache, req_to_token, res_len, store.bits, scale)
+
+
+DECODERS = {"kivi": kivi_decode, "turboquant": turboquant_decode}
+
+
+def quantized_decode(q, store, *args):
+    return DECODERS[store.codec](q, store, *args)

@@ -88,30 +88,41 @@ class KIVIRuntime(EvictingRuntime):
     def pool_split(config: KIVIConfig) -> float:
         return config.fp_fraction
 
+    store_cls = QuantizedBlockStore
+    blocks_key = "kivi_blocks"  # request metadata: its blocks, in token order
+
     def __init__(self, cache, config: KIVIConfig | None = None) -> None:
         self.config = config or KIVIConfig()
         c = self.config
         cap = c.residual + c.group  # full-precision rows a request holds at most (while blocks last)
         super().__init__(cache, MemoryOracle(retained_budget=cap, row_cap=cap))
         k0, store = cache.store.k_buffer(0), cache.store
-        if k0.shape[-1] % c.group:
-            raise ConfigError(f"group={c.group} must divide head_dim {k0.shape[-1]}")
-        if k0.is_cuda and c.group < 16:
-            raise ConfigError(f"group={c.group} is too small for the GPU kernel: must be at least 16 (a tl.dot tile)")
-        per_block = QuantizedBlockStore.block_bytes(store.num_layers, k0.shape[1], k0.shape[2], c.bits, c.group)
+        self.check_layout(k0)
+        per_block = self.store_cls.block_bytes(store.num_layers, k0.shape[1], k0.shape[2], c.bits, c.group)
         budget = store.payload_budget_bytes()  # the pool's bytes SGLang left to this store
         if budget is None:  # an engine without the split (the toy engine): as many bytes as its slots
             budget = store.free_count() * store.bytes_per_slot()
-        self.blocks = QuantizedBlockStore(store.num_layers, k0.shape[1], k0.shape[2], max(1, budget // per_block),
-                                          c.bits, c.group, k0.device)
+        self.blocks = self.make_store(store.num_layers, k0.shape[1], k0.shape[2], max(1, budget // per_block),
+                                      k0.device)
         rows, max_len = store.table_shape()
         # block_table[engine row, j]: the j-th block of the request on that row (kernel input)
         self.table = torch.zeros(rows, -(-max_len // c.group), dtype=torch.int32, device=k0.device)
         self.n_blocks = torch.zeros(rows, dtype=torch.int32, device=k0.device)  # blocks per engine row
-        # a request's blocks, in token order: metadata["kivi_blocks"] (travels with its chain); a
+        # a request's blocks, in token order: metadata[blocks_key] (travels with its chain); a
         # request holds one reference to each (``QuantizedBlockStore.ref``), so do chains and
         # radix nodes sharing them
         self.prefix_unit = c.group
+
+    def check_layout(self, k0: torch.Tensor) -> None:
+        c = self.config
+        if k0.shape[-1] % c.group:
+            raise ConfigError(f"group={c.group} must divide head_dim {k0.shape[-1]}")
+        if k0.is_cuda and c.group < 16:
+            raise ConfigError(f"group={c.group} is too small for the GPU kernel: must be at least 16 (a tl.dot tile)")
+
+    def make_store(self, num_layers: int, kv_heads: int, head_dim: int, num_blocks: int, device):
+        c = self.config
+        return QuantizedBlockStore(num_layers, kv_heads, head_dim, num_blocks, c.bits, c.group, device)
 
     # -- the store -------------------------------------------------------------------------------
     def payload_bytes_per_token(self) -> float:
@@ -148,14 +159,14 @@ class KIVIRuntime(EvictingRuntime):
 
     def units_metadata(self, units: list[int]) -> dict:
         self.blocks.ref(units)
-        return {"kivi_blocks": list(units)}
+        return {self.blocks_key: list(units)}
 
     def set_units_reclaim(self, reclaim) -> None:
         self.blocks.reclaim = reclaim
 
     # -- lifecycle -------------------------------------------------------------------------------
     def _blocks_of(self, rid: str) -> list[int]:
-        return self.cache.requests[rid].metadata.get("kivi_blocks", [])
+        return self.cache.requests[rid].metadata.get(self.blocks_key, [])
 
     def on_request_start(self, rid: str) -> None:
         state = self.cache.requests[rid]
@@ -166,7 +177,7 @@ class KIVIRuntime(EvictingRuntime):
 
     def on_request_parked(self, rid: str) -> None:
         # the chain's copy of the metadata holds the blocks now; the request keeps none to free
-        self.cache.requests[rid].metadata.pop("kivi_blocks", None)
+        self.cache.requests[rid].metadata.pop(self.blocks_key, None)
 
     def on_request_end(self, rid: str) -> None:
         blocks = self._blocks_of(rid)
@@ -175,13 +186,13 @@ class KIVIRuntime(EvictingRuntime):
             self.blocks.free(blocks)
 
     def release_parked(self, metadata: dict) -> None:
-        if metadata.get("kivi_blocks"):
-            self.blocks.free(metadata["kivi_blocks"])
+        if metadata.get(self.blocks_key):
+            self.blocks.free(metadata[self.blocks_key])
 
     def kept_positions(self, retained, metadata: dict) -> list[torch.Tensor]:
         """The resident rows (the full-precision residual) plus logical ``[0, blocks * group)``,
         which the quantized blocks hold (kept, at ``bits`` bits)."""
-        prefix = len(metadata.get("kivi_blocks", [])) * self.config.group
+        prefix = len(metadata.get(self.blocks_key, [])) * self.config.group
         return with_prefix(resident_positions(retained), prefix)
 
     def prefix_kv(self, rid: str, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -211,16 +222,16 @@ class KIVIRuntime(EvictingRuntime):
         store = self.cache.store
         blocks = self.blocks.alloc(n_groups)
         if blocks is None:
-            self.bump("kivi_store_full")
+            self.bump(f"{self.name}_store_full")
             return None
         slots = self.cache.resident_slots(rid)[: n_groups * c.group].to(self.table.device)
         for layer in range(store.num_layers):
             self.blocks.write(layer, blocks, store.k_buffer(layer)[slots], store.v_buffer(layer)[slots])
-        mine = state.metadata.get("kivi_blocks", [])
+        mine = state.metadata.get(self.blocks_key, [])
         self.table[state.req_row, len(mine): len(mine) + n_groups] = torch.tensor(blocks, dtype=torch.int32)
-        mine = state.metadata["kivi_blocks"] = mine + blocks  # a new list: a parked copy keeps its own
+        mine = state.metadata[self.blocks_key] = mine + blocks  # a new list: a parked copy keeps its own
         self.n_blocks[state.req_row] = len(mine)
-        self.bump("kivi_blocks_written", n_groups)
+        self.bump(f"{self.name}_blocks_written", n_groups)
         held = ret.token_positions()  # KIVI's maps are token-uniform: rows re-pointed, no KV moved
         if held is None:
             held = ret.all_positions()

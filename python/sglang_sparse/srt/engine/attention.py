@@ -30,7 +30,7 @@ from sglang_sparse.core.views import (CellsDecodeView, ComputedDecodeView, Decod
                                       QuantizedDecodeView, RowsTailDecodeView)
 from sglang_sparse.kernels.decode import decode_over_cells, decode_over_pages, decode_over_rows_tail, decode_over_views
 from sglang_sparse.kernels.prefill import extend_over_cells, extend_over_kv
-from sglang_sparse.kernels.quantized import kivi_decode
+from sglang_sparse.kernels.quantized import quantized_decode
 from sglang_sparse.srt.prune import scheduler as prune
 from sglang_sparse.srt.state import STATE
 
@@ -124,7 +124,7 @@ class SparseHooks:
                                     view.layer, layer.scaling)
         elif isinstance(view, QuantizedDecodeView):
             # history blocks of each request + its resident full-precision rows (this token's incl.)
-            out = kivi_decode(q3, view.store, layer.layer_id, view.block_table, batch.req_rows.long(),
+            out = quantized_decode(q3, view.store, layer.layer_id, view.block_table, batch.req_rows.long(),
                               view.n_blocks, k_cache, v_cache, table, batch.n_rows, layer.scaling)
         elif isinstance(view, RowsTailDecodeView):  # chosen rows + the contiguous tail (OmniKV)
             out = decode_over_rows_tail(q3, k_cache, v_cache, table, batch.req_rows, view.sel_rows,
