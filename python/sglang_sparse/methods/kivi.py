@@ -61,6 +61,13 @@ from sglang_sparse.core.views import QuantizedDecodeView
 from sglang_sparse.registry import ConfigError, check_range, register_method
 
 
+def check_fp_fraction(value: float) -> None:
+    """The share of the pool's bytes that stays full-precision slots (KIVI, TurboQuant)."""
+    if not 0.0 < value < 1.0:
+        raise ConfigError(f"fp_fraction={value} is out of range: must be in (0, 1), the share "
+                          "of the pool's bytes kept as full-precision slots")
+
+
 @dataclass(frozen=True)
 class KIVIConfig:
     bits: int = 2
@@ -75,9 +82,7 @@ class KIVIConfig:
         if self.group & (self.group - 1):
             raise ConfigError(f"group={self.group} must be a power of two (the kernel's tile)")
         check_range("residual", self.residual, 1)
-        if not 0.0 < self.fp_fraction < 1.0:
-            raise ConfigError(f"fp_fraction={self.fp_fraction} is out of range: must be in (0, 1), the share "
-                              "of the pool's bytes kept as full-precision slots")
+        check_fp_fraction(self.fp_fraction)
 
 
 @register_method("kivi", "quantization", KIVIConfig, "2/4-bit KV (keys per channel, values per token) + fp residual")

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_sparse.core.turboquant_store import TurboQuantBlockStore
-from sglang_sparse.methods.kivi import KIVIRuntime
+from sglang_sparse.methods.kivi import KIVIRuntime, check_fp_fraction
 from sglang_sparse.registry import ConfigError, check_range, register_method
 
 TURBOQUANT_BITS = (2, 3, 4)
@@ -55,9 +55,7 @@ class TurboQuantConfig:
         check_range("group", self.group, 1, 1024)
         check_range("residual", self.residual, 1)
         check_range("seed", self.seed, 0)
-        if not 0.0 < self.fp_fraction < 1.0:
-            raise ConfigError(f"fp_fraction={self.fp_fraction} is out of range: must be in (0, 1), the share "
-                              "of the pool's bytes kept as full-precision slots")
+        check_fp_fraction(self.fp_fraction)
 
 
 @register_method("turboquant", "quantization", TurboQuantConfig,
