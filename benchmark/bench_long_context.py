@@ -61,8 +61,9 @@ GPU_FLAGS = ["--load-format", "dummy", "--attention-backend", "triton", "--sampl
 ONLINE_INTERVAL = {"h2o": 32, "rkv": 128, "skipkv": 32}  # rows past the budget before the next eviction
 
 
-def variant(name: str, budget: int) -> tuple[str, list[str]]:
-    """(module, extra flags) of a variant; sparse methods get ``budget`` tokens."""
+def variant(name: str, budget: int, prompt_len: int = 32768) -> tuple[str, list[str]]:
+    """(module, extra flags) of a variant; sparse methods get ``budget`` tokens (KVzip: the keep
+    ratio ``budget / prompt_len``, the same number of context entries on average per head)."""
     flags = {
         # Quest allocates KV in 16-token pages (the launcher sets it); the dense variants use the
         # same page size so all three share the allocator and kernels. SnapKV needs page size 1.
@@ -84,6 +85,8 @@ def variant(name: str, budget: int) -> tuple[str, list[str]]:
         # whole sentences dropped; recent window and max segment at SkipKV's defaults (128, 64)
         "skipkv": ["--sparse-method", "skipkv", "--sparse-budget", str(budget), "--sparse-interval",
                    str(ONLINE_INTERVAL["skipkv"]), "--chain-cache", "off"],
+        "kvzip": ["--sparse-method", "kvzip", "--sparse-keep-ratio", f"{budget / prompt_len:.6g}",
+                  "--chain-cache", "off"],
         "fp8": ["--sparse-method", "fp8", "--page-size", "16"],
         # 2-bit, G = 32, R = 128; a quarter of the pool's bytes stays full-precision slots
         "kivi": ["--sparse-method", "kivi", "--sparse-bits", "2", "--chain-cache", "off"],
@@ -164,8 +167,9 @@ def make_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 def server(name: str, args, extra: list[str]) -> ServerProcess:  # noqa: D401
-    module, flags = variant(name, args.budget)
-    ctx = args.prompt_len + args.output_len + 64
+    module, flags = variant(name, args.budget, args.prompt_len)
+    # KVzip prefills its reconstruction probe (a little over the prompt again) after the prompt
+    ctx = (kvzip_prefill(args.prompt_len) if name == "kvzip" else args.prompt_len) + args.output_len + 64
     base = GPU_FLAGS if not args.cpu else ["--device", "cpu", "--log-level", "warning"]
     flags = ["--model-path", args.model_path, *base, *flags, "--max-total-tokens", str(pool_tokens(name, args)),
              "--context-length", str(ctx), *extra]
@@ -184,6 +188,10 @@ def capacity_batch(name: str, args) -> int:
     pool, L, N = pool_tokens(name, args), args.prompt_len, args.output_len
     if name == "snapkv":
         return (pool - L) // (args.budget + N) + 1
+    if name == "kvzip":  # the request being probed holds prompt + probe; every kept one ~ budget + N
+        # (a layer keeps its widest head's count for every head: /sparse/stats' kvzip_padded_entries
+        # says how far over the budget that went; peak_running says what was resident)
+        return (pool - kvzip_prefill(L)) // (args.budget + N) + 1
     if name == "pyramidkv":
         from sglang_sparse.methods.pyramidkv import PyramidKVConfig, layer_budgets
 
@@ -210,6 +218,17 @@ def capacity_batch(name: str, args) -> int:
         blocks = int(pool * fp_bytes * (1 - c.fp_fraction)) // QuantizedBlockStore.block_bytes(layers, heads, d, 2, c.group)
         return blocks // -(-(L + N) // c.group)
     return pool // (L + N)
+
+
+def kvzip_prefill(prompt_len: int) -> int:
+    """Tokens a KVzip request holds while its probe runs: the context (the prompt but its last
+    token) + the chunked reconstruction probe of it (``methods.kvzip.probe_tokens``), + 1."""
+    from sglang_sparse.methods.kvzip import KVzipConfig
+
+    c, context = KVzipConfig(), prompt_len - 1
+    chunks = -(-context // c.chunk)
+    # repeat texts are at most 32 tokens each (the probe's fixed words, core/pruning.py)
+    return prompt_len + context + chunks * (32 + c.tail)
 
 
 def prefill_chunk(args) -> int | None:

@@ -143,6 +143,30 @@ def test_online_eviction_scores_in_cuda_graphs_give_the_eager_evictions(model, r
     assert graph_out == eager_out
 
 
+def test_kvzip_probe_and_compaction_on_the_gpu_give_the_eager_tokens(model, request):
+    """KVzip on the Triton backend: each prompt's reconstruction probe is prefilled and scored on
+    the GPU, the compaction frees the probe and the dropped context rows, and decoding the
+    compacted rows with CUDA graphs gives the eager tokens; the pool is whole afterwards."""
+    batch = prompts(1000, 3) + prompts(100, 1)
+    args = ["--model-path", model, *COMMON, "--sparse-method", "kvzip", "--sparse-keep-ratio", "0.3",
+            "--chain-cache", "off"]
+    runs = []
+    for extra in ([], ["--disable-cuda-graph"]):
+        srv = start_server(args + extra, request)
+        before = stats(srv)["counters"]
+        out = [r["output_ids"] for r in generate(srv, batch, n=24)]
+        after = stats(srv)
+        moved = {k: after["counters"].get(k, 0) - before.get(k, 0)
+                 for k in ("evictions", "rows_released", "kvzip_probes", "kvzip_padded_entries")}
+        assert after["kv_free_slots"] == after["kv_total_slots"] and after["integrity"]["ok"]
+        runs.append((out, moved))
+        srv.stop()
+    (graph_out, graph), (eager_out, eager) = runs
+    assert graph["kvzip_probes"] == graph["evictions"] == 4
+    assert graph == eager and graph["rows_released"] > 0
+    assert graph_out == eager_out
+
+
 @pytest.mark.parametrize("flags", [[], ["--sparse-method", "quest", "--sparse-token-budget", "128"], OMNIKV],
                          ids=["dense", "quest", "omnikv"])
 def test_torch_compile_gives_the_eager_tokens(model, request, flags):

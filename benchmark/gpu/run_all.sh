@@ -14,12 +14,14 @@
 #                   Quest and OmniKV not yet completed on a GPU)
 #   tests-online    H2O and R-KV: scores accumulated inside the decode graphs == eager evictions
 #   tests-skipkv    SkipKV alone of the above (~2 min)
+#   tests-kvzip     KVzip: probe + compaction on the GPU, graphs == eager (~3 min, est.)
 #   tests-compile-quest  Quest alone with --enable-torch-compile == eager (a 400 s start allowed)
 # Benchmarks:
 #   kernels   sgl-kernel-sparse microbenchmarks (bandwidth against the HBM ceiling)      ~2 min
 #   capacity  8B shape, 32K in / 2K out: largest resident batch, dense vs SnapKV(2048)   ~7 min
 #   capacity393k  the same at a 393,216-token pool: SnapKV (batch 89), then dense over 16/32 splits ~9.5 min
 #   capacity-eviction  R-KV, SnapKV and dense (16 splits) at a 98,304-token pool               ~6 min
+#   capacity-kvzip  KVzip (probe at 32K: 65K rows while it runs), SnapKV, dense (16 splits), 98,304 pool
 #   matched   8B shape, 32K: plain SGLang vs dense vs Quest(2048) at batch 1 2 4 8       ~8 min
 #   matched128k-dense   8B shape, 128K, batch 1 2 4: dense tuned over 32 / 64 kv splits  ~9 min
 #   matched128k-sparse  the same prompts: Quest(2048) and OmniKV(2048)                   ~9 min
@@ -133,6 +135,13 @@ for stage in "$@"; do
         --kv-splits 8 16 --sessions 32 --turns 4 --system 4096 --tool-output 2048 --answer 64 --budget 2048 \
         --pool 98304 --out "$OUT/agent_replay_h200_${stage##*-}.json" \
         -- --cuda-graph-bs-decode 1 2 4 8 16 24 32 2>&1 | tee "$OUT/$stage.txt" ;;
+    capacity-kvzip)  # issue 16: KVzip (keep ratio 2,048 / 32,768) next to SnapKV and dense, 98,304-token pool
+      timeout 565 python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 98304 \
+        --prompt-len 32768 --output-len 2048 --methods kvzip snapkv dense --tune dense --kv-splits 16 \
+        --timeout 240 --out "$OUT/long_capacity_32k_kvzip.json" \
+        -- --cuda-graph-bs-decode 1 2 4 8 16 2>&1 | tee "$OUT/$stage.txt" ;;
+    tests-kvzip)
+      gpu_tests "$stage" test/test_gpu_server.py -k kvzip ;;
     overhead-compile)  # issue 15: dense through sglang_sparse vs plain SGLang, both compiled and at 16 splits
       timeout 560 python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 32768 --output-len 64 \
         --batches 1 8 --pool 294912 --methods plain dense --tune plain dense --kv-splits 16 --start-timeout 300 \
