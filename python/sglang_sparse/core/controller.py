@@ -19,6 +19,7 @@ class SparseController:
         self.runtime = runtime
         self.cache = runtime.cache
         self.steps = 0
+        self.peak_requests = 0  # most requests holding KV at one step since start (/sparse/stats)
         self.oracle = runtime.oracle
         # A runtime that overrides no per-layer hook (dense) lets the adapter skip the per-layer
         # calls entirely: default hooks are no-ops, so skipping them changes nothing.
@@ -58,6 +59,7 @@ class SparseController:
         for r in step.requests:
             self.cache.on_written(r.rid, r.num_tokens)
         self.steps += 1
+        self.peak_requests = max(self.peak_requests, len(self.cache.requests))
         self.runtime.prepare_step(step)
 
     def attention_view(self, layer: LayerInput) -> DecodeView | LayerRowsView | None:
@@ -136,6 +138,7 @@ class SparseController:
         return {
             "method": self.runtime.name,
             "steps": self.steps,
+            "peak_running_requests": self.peak_requests,
             **self.cache.totals(),
             "counters": {**self.cache.counters, **self.runtime.counters},
         }

@@ -72,6 +72,7 @@ def scheduler_stats(scheduler) -> dict | None:
         "compression_ratio": round(logical / retained, 3) if retained else None,
         "by_owner": owners,
         "running_requests": len(st.controller.cache.requests),
+        "peak_running_requests": stats["peak_running_requests"],  # high-water mark since start
         "steps": stats["steps"],
         "counters": {**stats["counters"], "integrity_violations": st.integrity_violations},
         "radix": _radix_stats(scheduler.tree_cache),
