@@ -8,7 +8,8 @@ on the default model's shape with random weights (see test_gpu_server.py):
   (no Python per decode layer once captured), with the eager tokens; a chain resumes over them;
   every slot comes back;
 - KIVI decodes through the Triton kernel inside the decode CUDA graphs, with the eager tokens,
-  and frees every block and slot."""
+  and frees every block and slot;
+- TurboQuant likewise, through its own Triton kernel (issue 17; not yet run on a GPU)."""
 
 from __future__ import annotations
 
@@ -150,3 +151,17 @@ def test_kivi_resumes_a_chain_and_reuses_cached_blocks_with_graphs_as_eager(mode
     (graph_tokens, figures), (eager_tokens, eager_figures) = runs
     assert figures == eager_figures == ("resumed", 3015, 2000 // 32 * 32), figures
     assert graph_tokens == eager_tokens
+
+
+def test_turboquant_decodes_in_graphs_through_the_triton_kernel_and_frees_every_block(model, request):
+    """TurboQuant (issue 17) on the CUDA path: the method starts on CUDA, decodes through
+    ``triton_turboquant`` inside the decode CUDA graphs with eager's tokens (3 bits: codes that
+    straddle bytes), writes its blocks and frees every block and slot."""
+    flags = ["--sparse-method", "turboquant", "--sparse-bits", "3", "--sparse-group", "32",
+             "--sparse-residual", "64"]
+    outs, before, after = graphs_equal_eager(model, request, flags, prompts(3000, 4), 100)
+    assert all(len(r["output_ids"]) == 100 for r in outs)
+    written = after["counters"]["turboquant_blocks_written"] - before["counters"].get("turboquant_blocks_written", 0)
+    assert written >= 4 * (3100 - 64 - 32) // 32
+    assert free_and_used(after) == free_and_used(before)
+    assert after["kv_bytes_per_token"] * 4 < after["kv_bytes_per_slot"]

@@ -9,6 +9,7 @@
 #                   (the two together took 453 s in one call, 2026-12-02)
 #   tests-payload   StreamingLLM and PyramidKV servers in graphs == eager                   ~6 min
 #   tests-kivi      KIVI servers: graphs == eager, chain resume, radix-cache hit            ~5.5 min
+#   tests-turboquant  TurboQuant server: graphs == eager through its Triton kernel (not yet run)
 #   tests-omnikv    OmniKV kernels == references; OmniKV graphs == eager                  ~4 min
 #   tests-compile   dense, Quest and OmniKV with --enable-torch-compile == eager (dense passed;
 #                   Quest and OmniKV not yet completed on a GPU)
@@ -55,8 +56,8 @@ for stage in "$@"; do
   start=$SECONDS
   case $stage in
     tests-kernels)
-      gpu_tests "$stage" test/test_quant_kernels.py test/test_sparse_kernels.py test/test_reference_kernels.py \
-        test/test_quest_pages.py ;;
+      gpu_tests "$stage" test/test_quant_kernels.py test/test_turboquant_kernel.py test/test_sparse_kernels.py \
+        test/test_reference_kernels.py test/test_quest_pages.py ;;
     tests-server)
       gpu_tests "$stage" test/test_gpu_server.py -k "dense_with or prune" ;;
     tests-quest)
@@ -67,6 +68,8 @@ for stage in "$@"; do
       gpu_tests "$stage" test/test_gpu_payload.py -k "streamingllm or pyramidkv" ;;
     tests-kivi)
       gpu_tests "$stage" test/test_gpu_payload.py -k kivi ;;
+    tests-turboquant)
+      gpu_tests "$stage" test/test_gpu_payload.py -k turboquant ;;
     tests-omnikv)
       gpu_tests "$stage-kernels" test/test_sparse_kernels.py -k omnikv
       gpu_tests "$stage" test/test_gpu_server.py -k "omnikv and not torch_compile" ;;

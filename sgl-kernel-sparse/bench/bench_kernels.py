@@ -46,7 +46,7 @@ def parse_args():
     ap.add_argument("--no-ref", action="store_true", help="do not time the torch references")
     ap.add_argument("--no-flush", action="store_true", help="keep L2 warm between calls")
     ap.add_argument("--only", nargs="*", default=None,
-                    help="case groups to run (decode quest snapkv compact kivi cells omnikv; default all)")
+                    help="case groups to run (decode quest snapkv compact kivi turboquant cells omnikv; default all)")
     return ap.parse_args()
 
 
@@ -229,6 +229,49 @@ def kivi_cases(dtype, quick, sweep, T, R, g):
                            ref=None if b > 1 or cfg else (lambda args=args: Q.kivi_decode_attention(*args)))
 
 
+def turboquant_cases(dtype, quick, sweep, T, R, g):
+    """TurboQuant decode (``triton_turboquant``): KIVI's shape (32K tokens of history in blocks of
+    G plus a full-precision residual window) with 2-, 3- and 4-bit codes + fp16 norms."""
+    from sgl_kernel_sparse import turboquant as TQ
+    from sgl_kernel_sparse.triton_kivi import plan_kivi_splits
+    from sgl_kernel_sparse.triton_turboquant import turboquant_decode_attention
+
+    G, res, ctx = SIZES["kivi_group"], SIZES["kivi_res"], SIZES["ctx"]
+    rot = TQ.rotation(D, 0, device=DEVICE)
+    for bits in ((3,) if quick else (2, 3, 4)):
+        cb = TQ.codebook(bits, D, device=DEVICE)
+        for b in SIZES["kivi_batches"][-1:] if quick else SIZES["kivi_batches"]:
+            nb = (ctx - res) // G
+            # random codes and norms: the kernel's work does not depend on their values
+            kc, vc = (torch.randint(0, 256, (b * nb, HKV, G, D * bits // 8), generator=g, device=DEVICE,
+                                    dtype=torch.uint8) for _ in range(2))
+            kn, vn = (torch.rand(b * nb, HKV, G, generator=g, device=DEVICE).half() + 0.5 for _ in range(2))
+            table = torch.randperm(b * nb, generator=g, device=DEVICE).view(b, nb).int()
+            k, v = kv_pool(b * res, dtype, g)
+            r2t = req_table(b, res, b * res, g)
+            req = torch.arange(b, device=DEVICE, dtype=torch.int32)
+            n_blocks = torch.full((b,), nb, dtype=torch.int32, device=DEVICE)
+            res_len = torch.full((b,), res, dtype=torch.int32, device=DEVICE)
+            q = torch.randn(b, HQ, D, generator=g, device=DEVICE).to(dtype)
+            splits = plan_kivi_splits(b * HKV, nb, q.device)
+            per_block = kc[0].numel() + vc[0].numel() + 2 * kn[0].numel() * kn.element_size()
+            moved = (b * nb * per_block + b * nb * 4 + 2 * b * res * HKV * D * k.element_size()
+                     + b * res * 4 + 2 * nbytes(q) + splits_bytes(b, splits))
+            args = (q, kc, kn, vc, vn, rot, cb, cb, table, req, n_blocks, k, v, r2t, res_len, bits)
+            configs = [dict()]
+            if sweep and b > 1:  # dot operand dtype, splits, pipelining depth (shared memory at
+                # fp16 on sm_90: 74 KB at Triton's default, 42 KB at 2 stages, 25 KB at 1)
+                configs += [dict(dot16=False), dict(num_splits=2 * splits), dict(num_splits=4 * splits),
+                            dict(num_stages=1), dict(num_stages=2)]
+            for cfg in configs:
+                s_cfg = cfg.get("num_splits", splits)
+                yield dict(kernel="turboquant_decode_attention", shape=f"B={b} {bits}-bit ctx={ctx} G={G}",
+                           config=f"{cfg or 'auto'} S={s_cfg}",
+                           bytes=moved - splits_bytes(b, splits) + splits_bytes(b, s_cfg),
+                           run=lambda args=args, cfg=cfg: turboquant_decode_attention(*args, **cfg),
+                           ref=None if b > 1 or cfg else (lambda args=args: TQ.turboquant_decode_attention(*args)))
+
+
 def cells_cases(dtype, quick, T, R, g):
     """PyramidKV decode over per-layer cells (``triton_cells``): layer 1 of two, each request
     with ``cells_rows`` packed rows in that layer (scattered over the layer's part of the flat
@@ -304,6 +347,7 @@ def main() -> int:
               "snapkv": lambda: snapkv_cases(dtype, args.quick, T, R, g),
               "compact": lambda: compact_cases(dtype, args.quick, T, R, g),
               "kivi": lambda: kivi_cases(dtype, args.quick, args.sweep, T, R, g),
+              "turboquant": lambda: turboquant_cases(dtype, args.quick, args.sweep, T, R, g),
               "cells": lambda: cells_cases(dtype, args.quick, T, R, g),
               "omnikv": lambda: omnikv_cases(dtype, args.quick, T, R, g)}
     unknown = set(args.only or ()) - set(groups)

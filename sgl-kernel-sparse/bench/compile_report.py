@@ -7,8 +7,9 @@ specialization a real launch would use). Catches compile errors the interpreter 
 
     python sgl-kernel-sparse/bench/compile_report.py [--arch 90] [--json out.json]
         [--groups core,quant]
-Kernel groups: ``core`` (decode, Quest, SnapKV, compaction: the default) and ``quant`` (KIVI and
-FP8 decode, ``triton_kivi.py`` / ``triton_fp8.py``); ``--groups core,quant`` compiles all.
+Kernel groups: ``core`` (decode, Quest, SnapKV, compaction: the default) and ``quant`` (KIVI,
+TurboQuant and FP8 decode, ``triton_kivi.py`` / ``triton_turboquant.py`` / ``triton_fp8.py``);
+``--groups core,quant`` compiles all.
 The default stays ``core``: test_sparse_kernels.py checks that exact set of kernel names
 (test_quant_kernels.py compiles ``--groups quant``).
 Exit status 1 if a kernel fails to compile or spills more than --max-spill bytes; 3 if this
@@ -139,10 +140,12 @@ def _exercise(dtypes) -> None:
 
 
 def _exercise_quant(dtypes) -> None:
-    """KIVI (2 and 4 bits, 64 blocks of 32 + residual) and FP8 (per-head and per-tensor scales)
-    decode, with and without split-K; same Llama-3-8B-like layer."""
+    """KIVI (2 and 4 bits, 64 blocks of 32 + residual), TurboQuant (2, 3 and 4 bits, same
+    blocks) and FP8 (per-head and per-tensor scales) decode, with and without split-K; same
+    Llama-3-8B-like layer."""
     from sgl_kernel_sparse.triton_fp8 import fp8_decode_attention
     from sgl_kernel_sparse.triton_kivi import kivi_decode_attention
+    from sgl_kernel_sparse.triton_turboquant import turboquant_decode_attention
 
     b, hq, hkv, d, slots, group, n_blk = 4, 32, 8, 128, 4096, 32, 256
     r2t = torch.zeros(b, 1024, dtype=torch.int32)
@@ -158,6 +161,17 @@ def _exercise_quant(dtypes) -> None:
             for splits in (1, 4):
                 kivi_decode_attention(q, codes, k_sm, k_sm, codes, v_sm, v_sm, table, req, req,
                                       kc, kc, r2t, req, bits, group, num_splits=splits)
+    rot = torch.zeros(d, d)
+    norms = torch.zeros(n_blk, hkv, group, dtype=torch.float16)
+    for bits in (2, 3, 4):
+        codes = torch.zeros(n_blk, hkv, group, d * bits // 8, dtype=torch.uint8)
+        cb = torch.zeros(1 << bits)
+        for dt in dtypes:
+            q = torch.zeros(b, hq, d, dtype=dt)
+            kc = torch.zeros(slots, hkv, d, dtype=dt)
+            for splits in (1, 4):
+                turboquant_decode_attention(q, codes, norms, codes, norms, rot, cb, cb, table, req, req,
+                                            kc, kc, r2t, req, bits, num_splits=splits)
     k8 = torch.zeros(slots, hkv, d, dtype=torch.float8_e4m3fn)
     for dt in dtypes:
         q = torch.zeros(b, hq, d, dtype=dt)

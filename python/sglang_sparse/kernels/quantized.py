@@ -1,5 +1,6 @@
 """Decode over a quantized history + full-precision residual (KIVI, TurboQuant): the Triton
-kernel of ``sgl_kernel_sparse.triton_kivi`` on CUDA tensors, the plain-torch references
+kernels of ``sgl_kernel_sparse.triton_kivi`` / ``triton_turboquant`` on CUDA tensors (unless
+``SGL_KERNEL_SPARSE_BACKEND=reference``), the plain-torch references
 (``sgl_kernel_sparse.quant``, ``sgl_kernel_sparse.turboquant``) elsewhere. Dequantization happens
 inside the kernel: no full-precision copy of the history is made. ``quantized_decode`` picks the
 kernel by the store's ``codec``."""
@@ -23,11 +24,15 @@ def kivi_decode(q, store, layer: int, block_table, req_rows, n_blocks, k_cache, 
 
 def turboquant_decode(q, store, layer: int, block_table, req_rows, n_blocks, k_cache, v_cache, req_to_token,
                       res_len, scale: float):
-    """Plain torch on every device (no Triton kernel yet: the method refuses CUDA at start-up)."""
+    """Keys and values share the store's rotation and codebook."""
     k_codes, k_norm, v_codes, v_norm = store.layer(layer)
-    return turboquant.turboquant_decode_attention(
-        q, k_codes, k_norm, v_codes, v_norm, store.rot, store.centroids, store.centroids, block_table, req_rows,
-        n_blocks, k_cache, v_cache, req_to_token, res_len, store.bits, scale)
+    args = (q, k_codes, k_norm, v_codes, v_norm, store.rot, store.centroids, store.centroids, block_table,
+            req_rows, n_blocks, k_cache, v_cache, req_to_token, res_len, store.bits, scale)
+    if sgl_kernel_sparse.use_triton(q, k_cache, block_table):
+        from sgl_kernel_sparse.triton_turboquant import turboquant_decode_attention
+
+        return turboquant_decode_attention(*args)
+    return turboquant.turboquant_decode_attention(*args)
 
 
 DECODERS = {"kivi": kivi_decode, "turboquant": turboquant_decode}

@@ -1,0 +1,220 @@
+"""TurboQuant's Triton decode kernel (``sgl_kernel_sparse.triton_turboquant``) against the
+plain-torch reference (``turboquant.turboquant_decode_attention``).
+
+CPU, default suite: the kernel under the Triton interpreter on small shapes, in *one* subprocess
+(``python test_turboquant_kernel.py --interp``, see ``interpreter_cases``), each ``case_*``
+reported to its own pytest test: bits 2 / 3 / 4 (3 bits: codes straddling bytes) and mixed key /
+value bits, GQA and MHA, several block counts and G (16, 32, and 8 and 24: tiles spanning
+blocks), residual lengths including 0, ragged batches with empty requests, split-K, fused-buffer
+strides, int32 and int64 tables, fp32 / fp16 / bf16.
+GPU (``-m gpu``, skipped without CUDA): the compiled kernel on realistic shapes vs the reference.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "sgl-kernel-sparse" / "python") not in sys.path:  # the package from the checkout
+    sys.path.insert(0, str(ROOT / "sgl-kernel-sparse" / "python"))
+
+from sgl_kernel_sparse import turboquant as tq  # noqa: E402
+
+from interpreter_cases import report, results_of, run_cases  # noqa: E402
+
+
+def tq_inputs(b, hq, hkv, d, bits, group, n_blocks, res_lens, dtype, seed, idx_dtype=torch.int32,
+              fused=False):
+    """A TurboQuant layer as the store holds it: shuffled blocks of codes + fp16 norms (a few
+    spare blocks, a NaN-norm block that every block-table padding entry points to), a residual
+    pool (a view into a fused K/V buffer; table entries past res_len point to NaN slots),
+    non-contiguous q. ``bits`` an int or ``(k_bits, v_bits)``. ``fused``: codes and norms are
+    views into fused K/V buffers too (non-trivial strides)."""
+    kb, vb = (bits, bits) if isinstance(bits, int) else bits
+    g = torch.Generator().manual_seed(seed)
+    n_req = b + 2
+    n_blk = sum(n_blocks) + 3
+    rot = tq.rotation(d, seed)
+    kcb, vcb = tq.codebook(kb, d), tq.codebook(vb, d)
+    k = torch.randn(n_blk * group, hkv, d, generator=g) * (1 + 3 * torch.rand(1, 1, d, generator=g))
+    v = torch.randn(n_blk * group, hkv, d, generator=g)
+    kc, kn = tq.quantize_blocks(k, rot, kcb, kb, group)
+    vc, vn = tq.quantize_blocks(v, rot, vcb, vb, group)
+    poison = n_blk - 1
+    kn[poison] = float("nan")
+    vn[poison] = float("nan")
+    if fused:
+        def fuse(a, c):
+            buf = torch.stack([a, c], dim=1)
+            return buf[:, 0]
+        kc, vc = fuse(kc, torch.zeros_like(kc)), fuse(vc, torch.zeros_like(vc))
+        kn, vn = fuse(kn, torch.zeros_like(kn)), fuse(vn, torch.zeros_like(vn))
+    max_blocks = max(n_blocks) + 2
+    table = torch.full((n_req, max_blocks), poison, dtype=torch.int32)
+    req_rows = torch.randperm(n_req, generator=g)[:b]
+    order = torch.randperm(n_blk - 1, generator=g).tolist()
+    for i, nb in enumerate(n_blocks):
+        table[req_rows[i], :nb] = torch.tensor([order.pop() for _ in range(nb)], dtype=torch.int32)
+    ctx = max(res_lens) + 4
+    num_slots = n_req * ctx + 5
+    buf = torch.randn(num_slots, 2, hkv, d, generator=g).to(dtype)
+    k_cache, v_cache = buf[:, 0], buf[:, 1]
+    r2t = torch.randperm(num_slots, generator=g)[: n_req * ctx].view(n_req, ctx)
+    for i, r in enumerate(res_lens):  # rows past res_len: poisoned slots, never read
+        bad = r2t[req_rows[i], r:].long()
+        k_cache[bad] = float("nan")
+        v_cache[bad] = float("nan")
+    q = torch.randn(b, hq, 2 * d, generator=g).to(dtype)[..., :d]
+    return dict(
+        q=q, k_codes=kc, k_norms=kn, v_codes=vc, v_norms=vn, rot=rot, k_centroids=kcb, v_centroids=vcb,
+        block_table=table.to(idx_dtype), req_rows=req_rows, n_blocks=torch.tensor(n_blocks, dtype=torch.int32),
+        k_cache=k_cache, v_cache=v_cache, req_to_token=r2t.to(idx_dtype),
+        res_len=torch.tensor(res_lens, dtype=torch.int32), bits=bits)
+
+
+def close(got, want, dtype, what):
+    tol = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 1e-2), torch.bfloat16: (1.6e-2, 2e-2)}
+    atol, rtol = tol[dtype]
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert not want.isnan().any(), f"{what}: the reference read poisoned data"
+    err = (got.float() - want.float()).abs()
+    bad = ~(err <= atol + rtol * want.float().abs())  # NaN counts as off
+    assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} off, max err {err.max():.3g}"
+
+
+def test_inputs_are_the_store_layout():
+    """The builder's blocks hold what ``quantize_blocks`` writes (the store's layout)."""
+    x = tq_inputs(2, 4, 2, 16, 3, 8, [2, 1], [3, 0], torch.float32, 0)
+    assert x["k_codes"].shape[1:] == (2, 8, 6) and x["k_codes"].dtype == torch.uint8
+    assert x["k_norms"].shape[1:] == (2, 8) and x["k_norms"].dtype == torch.float16
+
+
+# ============================================================ interpreter (subprocess)
+
+
+def _case(T, dtype, hq, hkv, d, bits, group, n_blocks, res_lens, seed, splits, idx_dtype=torch.int32,
+          fused=False, scale=None, block_n=16):
+    x = tq_inputs(len(n_blocks), hq, hkv, d, bits, group, n_blocks, res_lens, dtype, seed, idx_dtype, fused)
+    want = tq.turboquant_decode_attention(**x, scale=scale)
+    for sp in splits:
+        got = T.turboquant_decode_attention(**x, scale=scale, num_splits=sp, block_n=block_n)
+        close(got, want, dtype, f"turboquant bits={bits} D={d} G={group} splits={sp}")
+        for b, (nb, nr) in enumerate(zip(n_blocks, res_lens)):
+            if nb == 0 and nr == 0:
+                assert (got[b] == 0).all(), "a request with nothing must output zeros"
+
+
+def case_fp32_bits3_gqa2_ragged(T):
+    # blocks + residual, residual only, blocks only, nothing; more splits than some requests fill
+    _case(T, torch.float32, 4, 2, 32, 3, 16, [3, 0, 2, 0], [5, 7, 0, 0], 1, (1, 3))
+
+
+def case_fp32_bits2_mha_g8_tiles_span_blocks(T):
+    _case(T, torch.float32, 2, 2, 16, 2, 8, [5, 1], [0, 19], 2, (1, 2))
+
+
+def case_fp32_bits4_gqa4_g24_int64_scale(T):
+    _case(T, torch.float32, 8, 2, 32, 4, 24, [2, 1], [3, 0], 3, (1, 2), idx_dtype=torch.int64, scale=0.3)
+
+
+def case_fp16_bits3_gqa4_d64(T):
+    _case(T, torch.float16, 4, 1, 64, 3, 32, [2, 1], [9, 1], 4, (1, 2))
+
+
+def case_bf16_bits4_gqa2(T):
+    _case(T, torch.bfloat16, 4, 2, 32, 4, 16, [1, 3], [2, 17], 5, (1, 3))
+
+
+def case_fp32_mixed_bits_k4_v2_fused_default_splits(T):
+    _case(T, torch.float32, 4, 4, 16, (4, 2), 16, [2, 3], [1, 17], 6, (None,), fused=True, block_n=None)
+
+
+def case_fp16_bits2_d48_gqa3(T):
+    _case(T, torch.float16, 6, 2, 48, 2, 16, [2, 0], [0, 5], 7, (1, 2))
+
+
+def case_nothing_and_empty_batch_and_bad_layout(T):
+    x = tq_inputs(2, 4, 2, 16, 3, 16, [0, 0], [0, 0], torch.float32, 8)
+    for sp in (1, 2):
+        got = T.turboquant_decode_attention(**x, num_splits=sp)
+        assert got.shape == (2, 4, 16) and (got == 0).all()
+    empty = dict(x, q=x["q"][:0], req_rows=x["req_rows"][:0], n_blocks=x["n_blocks"][:0], res_len=x["res_len"][:0])
+    assert T.turboquant_decode_attention(**empty).shape == (0, 4, 16)
+    for bad in (dict(bits=2), dict(k_centroids=x["k_centroids"][:4]), dict(rot=x["rot"][:8]),
+                dict(k_norms=x["k_norms"][..., :4])):
+        try:
+            T.turboquant_decode_attention(**dict(x, **bad))
+        except ValueError:
+            continue
+        raise AssertionError(f"{sorted(bad)} must be refused")
+
+
+CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+
+def _run_cases_here() -> dict:
+    """Subprocess side: run every case under the interpreter, report each outcome."""
+    from sgl_kernel_sparse.triton_turboquant import turboquant_decode_attention
+
+    return run_cases(CASES, SimpleNamespace(turboquant_decode_attention=turboquant_decode_attention))
+
+
+@pytest.fixture(scope="module")
+def interp_results():
+    return results_of(__file__)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_triton_interpreter(case, interp_results):
+    status, msg = interp_results.get(case, ["fail", "case did not report"])
+    if status == "skip":
+        pytest.skip(msg)
+    assert status == "ok", msg
+
+
+# ============================================================ GPU: compiled kernel, real shapes
+
+
+def _cuda(x):
+    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in x.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (16, 16, 64)])
+def test_gpu_turboquant_decode(dtype, bits, hq, hkv, d):
+    from sgl_kernel_sparse.triton_turboquant import turboquant_decode_attention
+
+    x = _cuda(tq_inputs(4, hq, hkv, d, bits, 32, [64, 64, 17, 0], [50, 0, 50, 50], dtype, 800 + bits + d))
+    want = tq.turboquant_decode_attention(**x)
+    for splits in (None, 1, 7):
+        close(turboquant_decode_attention(**x, num_splits=splits), want, dtype, f"splits={splits}")
+    for stages in (1, 2):  # the benchmark's pipelining sweep
+        close(turboquant_decode_attention(**x, num_stages=stages), want, dtype, f"num_stages={stages}")
+
+
+@pytest.mark.gpu
+def test_gpu_turboquant_quantizer_matches_cpu():
+    """The store quantizes on the device in plain torch: the same codes as on the CPU (norms to
+    fp16 rounding), so a block written on the GPU decodes as the reference expects."""
+    g = torch.Generator().manual_seed(900)
+    x = torch.randn(4 * 32, 8, 128, generator=g) * 3
+    rot = tq.rotation(128, 1)
+    for bits in (2, 3, 4):
+        c = tq.codebook(bits, 128)
+        kc, kn = tq.quantize_blocks(x, rot, c, bits, 32)
+        gc, gn = tq.quantize_blocks(x.cuda(), rot.cuda(), c.cuda(), bits, 32)
+        agree = (kc == gc.cpu()).float().mean().item()
+        assert agree > 0.999, f"bits={bits}: {agree:.5f} of code bytes agree"  # ties at a bound may flip
+        torch.testing.assert_close(gn.cpu(), kn, rtol=1e-3, atol=0)
+
+
+if __name__ == "__main__" and "--interp" in sys.argv:
+    report(_run_cases_here())
