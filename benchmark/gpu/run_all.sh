@@ -9,6 +9,7 @@
 #                   (the two together took 453 s in one call, 2026-12-02)
 #   tests-payload   StreamingLLM and PyramidKV servers in graphs == eager                   ~6 min
 #   tests-kivi      KIVI servers: graphs == eager, chain resume, radix-cache hit            ~5.5 min
+#   tests-new-kernels  TurboQuant's and FlashPrefill's kernels == references (issue 17)
 #   tests-turboquant  TurboQuant server: graphs == eager through its Triton kernel (not yet run)
 #   tests-omnikv    OmniKV kernels == references; OmniKV graphs == eager                  ~4 min
 #   tests-compile   dense, Quest and OmniKV with --enable-torch-compile == eager (dense passed;
@@ -68,6 +69,8 @@ for stage in "$@"; do
       gpu_tests "$stage" test/test_gpu_payload.py -k "streamingllm or pyramidkv" ;;
     tests-kivi)
       gpu_tests "$stage" test/test_gpu_payload.py -k kivi ;;
+    tests-new-kernels)  # the kernels of issue 17 alone (also part of tests-kernels)
+      gpu_tests "$stage" $(ls test/test_turboquant_kernel.py test/test_flashprefill_kernels.py 2>/dev/null) ;;
     tests-turboquant)
       gpu_tests "$stage" test/test_gpu_payload.py -k turboquant ;;
     tests-omnikv)
