@@ -33,6 +33,7 @@
 #   agent-replay-dense / -evict  issue 16's agent replay (8B shape, 32 sessions x 4 turns, 4K system,
 #                   2K tool outputs, 98,304-token pool): dense + radix over 8 / 16 splits in the
 #                   first call; SnapKV, H2O and R-KV (budget 2,048) + Chain Cache in the second
+#   agent-replay8-dense / -evict  the same over 8 turns: dense + radix (8 / 16 splits); SnapKV + chain
 #   overhead-compile  plain SGLang vs dense through sglang_sparse at 32K, batch 1 and 8, both with
 #                   --enable-torch-compile at 16 kv splits (issue 15's < 3% overhead)
 #   capacity-online  issue 16's table at a 49,152-token pool, 8,192-token prefill chunks: dense
@@ -148,6 +149,13 @@ for stage in "$@"; do
         -- --cuda-graph-bs-decode 1 2 4 8 16 2>&1 | tee "$OUT/$stage.txt" ;;
     tests-kvzip)
       gpu_tests "$stage" test/test_gpu_server.py -k kvzip ;;
+    agent-replay8-dense|agent-replay8-evict)  # the same sessions over 8 turns (dense re-prefills each
+      # evicted session's whole history: its prefill grows with the square of the turns, a chain's linearly)
+      if [ "$stage" = agent-replay8-dense ]; then vs=(dense+radix); sp=(8 16); else vs=(snapkv+chain); sp=(16); fi
+      timeout 565 python3 benchmark/bench_agent_replay.py --gpu --model-path "$M8" --variants "${vs[@]}" \
+        --kv-splits "${sp[@]}" --sessions 32 --turns 8 --system 4096 --tool-output 2048 --answer 64 --budget 2048 \
+        --pool 98304 --out "$OUT/agent_replay8_h200_${stage##*-}.json" \
+        -- --cuda-graph-bs-decode 1 2 4 8 16 24 32 2>&1 | tee "$OUT/$stage.txt" ;;
     overhead-compile)  # issue 15: dense through sglang_sparse vs plain SGLang, both compiled and at 16 splits
       timeout 560 python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 32768 --output-len 64 \
         --batches 1 8 --pool 294912 --methods plain dense --tune plain dense --kv-splits 16 --start-timeout 300 \
