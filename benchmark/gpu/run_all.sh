@@ -2,7 +2,8 @@
 # The GPU machine's whole job in one go (run from the checkout root there, with .gpu/ and
 # .gpumodel/ carried; benchmark/gpu/prepare.sh makes them here). Each stage writes under $OUT:
 # GPU tests, in stages that each fit one call (times measured on the H200, 2026-12-02):
-#   tests-kernels   every Triton kernel == its reference (quant, sparse, reference, Quest pages)  ~2 min
+#   tests-kernels   every Triton kernel == its reference (quant, sparse, reference, Quest pages,
+#                   FlashPrefill)  ~2 min
 #   tests-server    dense graphs == plain SGLang == eager, /prune with graphs == eager       ~5 min
 #   tests-quest     Quest pages through the kernel, Quest graphs == eager                    ~4 min
 #   tests-snapkv    SnapKV graphs == eager, SnapKV compaction on the GPU pool                ~4 min
@@ -54,7 +55,7 @@ for stage in "$@"; do
   case $stage in
     tests-kernels)
       gpu_tests "$stage" test/test_quant_kernels.py test/test_sparse_kernels.py test/test_reference_kernels.py \
-        test/test_quest_pages.py ;;
+        test/test_quest_pages.py test/test_flashprefill_kernels.py ;;
     tests-server)
       gpu_tests "$stage" test/test_gpu_server.py -k "dense_with or prune" ;;
     tests-quest)
