@@ -2,7 +2,8 @@
 # The GPU machine's whole job in one go (run from the checkout root there, with .gpu/ and
 # .gpumodel/ carried; benchmark/gpu/prepare.sh makes them here). Each stage writes under $OUT:
 # GPU tests, in stages that each fit one call (times measured on the H200, 2026-12-02):
-#   tests-kernels   every Triton kernel == its reference (quant, sparse, reference, Quest pages)  ~2 min
+#   tests-kernels   every Triton kernel == its reference (quant, sparse, reference, Quest pages,
+#                   FlashPrefill)  ~2 min
 #   tests-server    dense graphs == plain SGLang == eager, /prune with graphs == eager       ~5 min
 #   tests-quest     Quest pages through the kernel, Quest graphs == eager                    ~4 min
 #   tests-snapkv    SnapKV graphs == eager, SnapKV compaction on the GPU pool                ~4 min
@@ -51,7 +52,8 @@ M8=.gpumodel/qwen3-8b-shape
 LONG=(--model-path "$M8" --pool 196608)
 gpu_tests() {  # name, pytest arguments...
   local name=$1; shift
-  python3 -m pytest -q -m gpu -rA "$@" 2>&1 | tail -40 | tee "$OUT/gpu_$name.txt"
+  # cut at GPU_TEST_TIMEOUT seconds so the summary still reaches $OUT inside one call
+  timeout "${GPU_TEST_TIMEOUT:-560}" python3 -m pytest -q -m gpu -rA "$@" 2>&1 | tail -40 | tee "$OUT/gpu_$name.txt"
 }
 for stage in "$@"; do
   echo "=== $stage $(date -u +%T)"
@@ -59,7 +61,7 @@ for stage in "$@"; do
   case $stage in
     tests-kernels)
       gpu_tests "$stage" test/test_quant_kernels.py test/test_turboquant_kernel.py test/test_sparse_kernels.py \
-        test/test_reference_kernels.py test/test_quest_pages.py ;;
+        test/test_reference_kernels.py test/test_quest_pages.py test/test_flashprefill_kernels.py ;;
     tests-server)
       gpu_tests "$stage" test/test_gpu_server.py -k "dense_with or prune" ;;
     tests-quest)

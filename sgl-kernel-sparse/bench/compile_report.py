@@ -7,11 +7,12 @@ specialization a real launch would use). Catches compile errors the interpreter 
 
     python sgl-kernel-sparse/bench/compile_report.py [--arch 90] [--json out.json]
         [--groups core,quant]
-Kernel groups: ``core`` (decode, Quest, SnapKV, compaction: the default) and ``quant`` (KIVI,
-TurboQuant and FP8 decode, ``triton_kivi.py`` / ``triton_turboquant.py`` / ``triton_fp8.py``);
-``--groups core,quant`` compiles all.
+Kernel groups: ``core`` (decode, Quest, SnapKV, compaction: the default), ``quant`` (KIVI,
+TurboQuant and FP8 decode, ``triton_kivi.py`` / ``triton_turboquant.py`` / ``triton_fp8.py``) and
+``prefill`` (FlashPrefill's block-sparse prefill, ``triton_flashprefill.py``);
+``--groups core,quant,prefill`` compiles all.
 The default stays ``core``: test_sparse_kernels.py checks that exact set of kernel names
-(test_quant_kernels.py compiles ``--groups quant``).
+(test_quant_kernels.py compiles ``--groups quant``, test_flashprefill_kernels.py ``--groups prefill``).
 Exit status 1 if a kernel fails to compile or spills more than --max-spill bytes; 3 if this
 triton's internals differ from what the tool drives (written for triton 3.8).
 """
@@ -64,7 +65,7 @@ def _ptxas_info(ptx: str, arch: int) -> dict:
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-GROUPS = ("core", "quant")
+GROUPS = ("core", "quant", "prefill")
 
 
 def compile_all(arch: int = 90, dtypes=("fp16", "bf16", "fp32"), groups=("core",)) -> list[dict]:
@@ -180,7 +181,23 @@ def _exercise_quant(dtypes) -> None:
                 fp8_decode_attention(q, k8, k8, sc, sc, r2t, req, req + 500, num_splits=splits)
 
 
-EXERCISE = {"core": _exercise, "quant": _exercise_quant}
+def _exercise_prefill(dtypes) -> None:
+    """FlashPrefill's block-sparse prefill (``triton_flashprefill.py``): a 2K-token chunk after
+    2K tokens of context, blocks of 64 and 128, keep-all mask (the mask does not change the code).
+    fp16 / bf16 only: fp32 (exact IEEE dots, for the interpreter tests) spills at these tiles and
+    the dispatch sends fp32 to the reference."""
+    from sgl_kernel_sparse.flashprefill import keep_all_mask
+    from sgl_kernel_sparse.triton_flashprefill import block_sparse_attention
+
+    s, start, hq, hkv, d = 2048, 2048, 32, 8, 128
+    for dt in (dt for dt in dtypes if dt != torch.float32):
+        q = torch.zeros(s, hq, d, dtype=dt)
+        kv = torch.zeros(start + s, hkv, d, dtype=dt)
+        for block in (64, 128):
+            block_sparse_attention(q, kv, kv, keep_all_mask(s, hq, block, start), block, start)
+
+
+EXERCISE = {"core": _exercise, "quant": _exercise_quant, "prefill": _exercise_prefill}
 
 
 def main() -> int:
