@@ -243,8 +243,12 @@ def run_variant(name: str, args, extra: list[str], batches: list[int], prompts, 
     """One server of ``name``: a discarded warm-up request, the KV representation, then every batch."""
     res: dict = {}
     try:
+        t0 = time.monotonic()
         with server(name, args, extra) as srv:
+            # progress lines: a run cut by the call's limit still says how far it got
+            print(name, f"server up in {time.monotonic() - t0:.0f} s", flush=True)
             decode_window(srv.base_url, make_prompts(1, 256, seed=99), 16, 2, 4, timeout=120)  # discarded
+            print(name, f"warm-up done at {time.monotonic() - t0:.0f} s", flush=True)
             st = requests.get(srv.base_url + "/sparse/stats", timeout=60)
             if st.status_code == 200:  # the KV representation and pool, as the server counts them
                 res["kv"] = {k: st.json().get(k) for k in ("kv_bytes_per_token", "kv_total_slots", "kv_bytes_total")}

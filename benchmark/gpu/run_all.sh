@@ -145,6 +145,9 @@ for stage in "$@"; do
         --pool 98304 --out "$OUT/agent_replay_h200_${stage##*-}.json" \
         -- --cuda-graph-bs-decode 1 2 4 8 16 24 32 2>&1 | tee "$OUT/$stage.txt" ;;
     capacity-kvzip)  # issue 16: KVzip (keep ratio 2,048 / 32,768) next to SnapKV and dense, 98,304-token pool
+      # (2026-12-03: the first run printed nothing before the 565 s cut, it then had no progress
+      # lines: KVzip's 8 probes at 32K, scored in plain torch, did not finish with the server's
+      # start and warm-up inside one call; give KVzip a call of its own)
       timeout 565 python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 98304 \
         --prompt-len 32768 --output-len 2048 --methods kvzip snapkv dense --tune dense --kv-splits 16 \
         --timeout 240 --out "$OUT/long_capacity_32k_kvzip.json" \
