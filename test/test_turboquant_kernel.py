@@ -78,7 +78,11 @@ def tq_inputs(b, hq, hkv, d, bits, group, n_blocks, res_lens, dtype, seed, idx_d
 
 
 def close(got, want, dtype, what):
-    tol = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 1e-2), torch.bfloat16: (1.6e-2, 2e-2)}
+    # fp16: the kernel rounds the scaled (rotated) query, each dequantized key / value and the
+    # probabilities to fp16 for its tensor-core dots; the reference dequantizes and attends in fp32.
+    # At d = 128, 3 bits, an output of -0.016 was 2.3e-3 off (max 3.9e-3 over the case, the
+    # reference's own fp16 output 6.7e-4 from fp32; found on the H200 and under the interpreter)
+    tol = {torch.float32: (1e-4, 1e-4), torch.float16: (5e-3, 1e-2), torch.bfloat16: (1.6e-2, 2e-2)}
     atol, rtol = tol[dtype]
     assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
