@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from sglang_sparse.registry import ConfigError, build_config, get_method, method_names
+from sglang_sparse.registry import (ConfigError, build_config, build_prefill_config, get_method, get_prefill,
+                                    method_names, prefill_names)
 
 DEFAULT_METHOD = "dense"
 
@@ -23,6 +24,14 @@ def _options() -> dict[str, type]:
     return opts
 
 
+def _prefill_options() -> dict[str, type]:
+    opts: dict[str, type] = {}
+    for name in prefill_names():
+        for f in dataclasses.fields(get_prefill(name).config_cls):
+            opts[f.name] = type(f.default) if f.default is not dataclasses.MISSING else str
+    return opts
+
+
 def add_sparse_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sglang_sparse")
     group.add_argument("--sparse-method", default=DEFAULT_METHOD,
@@ -30,6 +39,11 @@ def add_sparse_args(parser: argparse.ArgumentParser) -> None:
     for opt, typ in sorted(_options().items()):
         group.add_argument(f"--sparse-{opt.replace('_', '-')}", dest=f"sparse_opt_{opt}", type=typ,
                            default=None, help=f"method option {opt}")
+    group.add_argument("--sparse-prefill", default="none",
+                       help=f"sparse prefill: none, {', '.join(prefill_names())} (composes with any --sparse-method)")
+    for opt, typ in sorted(_prefill_options().items()):
+        group.add_argument(f"--sparse-prefill-{opt.replace('_', '-')}", dest=f"sparse_prefill_opt_{opt}", type=typ,
+                           default=None, help=f"sparse prefill option {opt}")
 
 
 def parse_sparse_args(argv: list[str]) -> tuple[dict, list[str]]:
@@ -44,4 +58,14 @@ def parse_sparse_args(argv: list[str]) -> tuple[dict, list[str]]:
     given = {k.removeprefix("sparse_opt_"): v for k, v in vars(ns).items()
              if k.startswith("sparse_opt_") and v is not None}
     config = build_config(ns.sparse_method, given)
-    return {"method": ns.sparse_method, "options": dataclasses.asdict(config)}, rest
+    out = {"method": ns.sparse_method, "options": dataclasses.asdict(config)}
+    prefill = {k.removeprefix("sparse_prefill_opt_"): v for k, v in vars(ns).items()
+               if k.startswith("sparse_prefill_opt_") and v is not None}
+    if ns.sparse_prefill == "none":
+        if prefill:
+            flags = ", ".join(f"--sparse-prefill-{k.replace('_', '-')}" for k in sorted(prefill))
+            raise ConfigError(f"{flags} given without --sparse-prefill; choose one of: {', '.join(prefill_names())}")
+    else:
+        cfg = build_prefill_config(ns.sparse_prefill, prefill)
+        out["prefill"] = {"name": ns.sparse_prefill, "options": dataclasses.asdict(cfg)}
+    return out, rest

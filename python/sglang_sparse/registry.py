@@ -53,6 +53,54 @@ def get_method(name: str) -> MethodSpec:
         ) from None
 
 
+@dataclass(frozen=True)
+class PrefillSpec:
+    """A sparse prefill policy (``--sparse-prefill NAME``): composes with any decode method."""
+
+    name: str
+    config_cls: type
+    policy_cls: type
+    summary: str
+
+
+_PREFILL: dict[str, PrefillSpec] = {}
+
+
+def register_prefill(name: str, config_cls: type, summary: str):
+    def wrap(policy_cls: type) -> type:
+        if name in _PREFILL:
+            raise ValueError(f"sparse prefill {name!r} registered twice")
+        policy_cls.name = name
+        _PREFILL[name] = PrefillSpec(name, config_cls, policy_cls, summary)
+        return policy_cls
+
+    return wrap
+
+
+def prefill_names() -> list[str]:
+    return sorted(_PREFILL)
+
+
+def get_prefill(name: str) -> PrefillSpec:
+    try:
+        return _PREFILL[name]
+    except KeyError:
+        raise ConfigError(f"unknown --sparse-prefill {name!r}; available: none, {', '.join(sorted(_PREFILL))}") from None
+
+
+def build_prefill_config(name: str, knobs: dict[str, Any] | None = None):
+    """The prefill policy's validated config (its options are ``--sparse-prefill-<option>``)."""
+    spec = get_prefill(name)
+    fields = {f.name for f in dataclasses.fields(spec.config_cls)}
+    unknown = sorted(set(knobs or {}) - fields)
+    if unknown:
+        raise ConfigError(f"--sparse-prefill {name} has no option {', '.join(unknown)}; "
+                          f"its options: {', '.join(sorted(fields)) or '(none)'}")
+    config = spec.config_cls(**(knobs or {}))
+    config.validate()
+    return config
+
+
 def build_config(name: str, knobs: dict[str, Any] | None = None):
     """The method's validated config from ``knobs`` (unknown knobs are refused)."""
     spec = get_method(name)

@@ -10,20 +10,22 @@ from __future__ import annotations
 import torch
 
 from sglang_sparse.core.events import DecodeBatch, LayerInput, StepInfo, StepMode
+from sglang_sparse.core.prefill import PrefillPolicy
 from sglang_sparse.core.runtime import SparseMethodRuntime
-from sglang_sparse.core.views import DecodeView, LayerRowsView, PagedDecodeView, PrefixKVView
+from sglang_sparse.core.views import BlockSparsePrefillView, DecodeView, LayerRowsView, PagedDecodeView, PrefixKVView
 
 
 class SparseController:
-    def __init__(self, runtime: SparseMethodRuntime) -> None:
+    def __init__(self, runtime: SparseMethodRuntime, prefill: PrefillPolicy | None = None) -> None:
         self.runtime = runtime
+        self.prefill = prefill  # a sparse prefill policy (--sparse-prefill), composed with the method
         self.cache = runtime.cache
         self.steps = 0
         self.peak_requests = 0  # most requests holding KV at one step since start (/sparse/stats)
         self.oracle = runtime.oracle
         # A runtime that overrides no per-layer hook (dense) lets the adapter skip the per-layer
         # calls entirely: default hooks are no-ops, so skipping them changes nothing.
-        self.layer_hooks = type(runtime).has_layer_hooks()
+        self.layer_hooks = type(runtime).has_layer_hooks() or prefill is not None
         # Decode steps: tensor-only hook (graph-safe), Python per-layer hooks, or nothing at all.
         self.graph_decode = runtime.graph_decode
         if runtime.per_layer_rows and not runtime.graph_decode:
@@ -75,7 +77,18 @@ class SparseController:
             return prefix
         if layer.step.mode is StepMode.DECODE:
             return self.runtime.build_decode_selection(layer)
-        return None
+        return self.prefill_view(layer)
+
+    def prefill_view(self, layer: LayerInput) -> BlockSparsePrefillView | None:
+        """Prefill and mixed steps with a sparse prefill policy: the requests it may serve are the
+        prefilling ones whose rows are their logical positions (identity map, the chunk's first
+        row = its first position); the policy decides the rest."""
+        if self.prefill is None:
+            return None
+        reqs = self.cache.requests
+        eligible = tuple(r.is_prefill and r.rid in reqs and reqs[r.rid].retained.is_identity
+                         and r.row_start == r.logical_start for r in layer.step.requests)
+        return self.prefill.view(layer, eligible) if any(eligible) else None
 
     def layer_rows(self, layer: LayerInput) -> LayerRowsView | None:
         """Prefill and mixed steps: where the requests' earlier rows of this layer live, when any
@@ -140,5 +153,6 @@ class SparseController:
             "steps": self.steps,
             "peak_running_requests": self.peak_requests,
             **self.cache.totals(),
-            "counters": {**self.cache.counters, **self.runtime.counters},
+            "counters": {**self.cache.counters, **self.runtime.counters,
+                         **(self.prefill.counters if self.prefill is not None else {})},
         }

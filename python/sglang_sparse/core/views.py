@@ -62,6 +62,19 @@ class PrefillView:
 
 
 @dataclass(frozen=True)
+class BlockSparsePrefillView:
+    """A prefill or mixed step under a sparse prefill policy (``--sparse-prefill``): where
+    ``sparse[i]``, request i's chunk (logical positions ``[row_start, row_start + s)``, the same
+    numbers as its rows: only requests whose rows are their positions get here) attends its
+    resident rows ``[0, row_start)`` and itself through ``attend(q, k, v, start, scale)`` (q
+    ``[s, Hq, D]``, k / v ``[start + s, Hkv, D]`` in position order -> ``[s, Hq, Dv]``); the
+    other requests go through the backend's dense kernel."""
+
+    sparse: tuple[bool, ...]
+    attend: Callable
+
+
+@dataclass(frozen=True)
 class LayerRowsView:
     """Per-layer row tables (``RetainedMap`` per-layer form) in a prefill or mixed step: where
     each request's rows of one layer live. ``cells[i]`` are flat cells of the store

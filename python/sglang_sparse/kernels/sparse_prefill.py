@@ -1,7 +1,7 @@
 """Block-sparse prefill attention (FlashPrefill, issue 17): the Triton kernel of
 ``sgl_kernel_sparse.triton_flashprefill`` on CUDA tensors, the plain-torch reference
 (``sgl_kernel_sparse.flashprefill``) elsewhere. The block mask is computed in torch on every
-device. Kernel layer only: no method or prefill view calls these yet.
+device. Called by ``methods/flashprefill.py`` (``--sparse-prefill flashprefill``).
 
 Shapes (one request, one layer): a chunk ``q [s, Hq, D]`` at absolute positions
 ``[start, start + s)`` over ``k / v [start + s, Hkv, D]``; the mask ``[Hq, n_qb, n_kb]`` over

@@ -141,12 +141,15 @@ def sparse_config(argv: list[str], log=logger.info) -> tuple[dict, list[str]]:
                 argv.append(flag)
                 log(f"sglang_sparse: {config['method']} evicts KV physically; added {flag}")
     given = _given_flags(argv)
-    if runtime.changes_attention:
+    prefill = config.get("prefill")
+    if runtime.changes_attention or prefill:
         on_gpu = _serves_on_gpu(given)
         backend = given.attention_backend
         if backend not in (None, *SPARSE_BACKENDS):
+            who = f"--sparse-prefill {prefill['name']}" if prefill and not runtime.changes_attention else \
+                f"--sparse-method {config['method']}"
             raise ConfigError(
-                f"--sparse-method {config['method']} needs --attention-backend "
+                f"{who} needs --attention-backend "
                 f"{' or '.join(SPARSE_BACKENDS)} (got {backend}); sparse kernels for other backends are not available yet"
             )
         if backend is None:
@@ -168,11 +171,12 @@ def sparse_config(argv: list[str], log=logger.info) -> tuple[dict, list[str]]:
             # step's selection forever.
             argv.append("--disable-cuda-graph")
             log(f"sglang_sparse: {config['method']} selects per step in Python; added --disable-cuda-graph")
-        elif runtime.has_layer_hooks() and given.cuda_graph_backend_prefill is None:
+        elif (runtime.has_layer_hooks() or prefill) and given.cuda_graph_backend_prefill is None:
             # Decode graphs stay (decode runs no Python per layer); prefill hooks do.
             argv += ["--cuda-graph-backend-prefill", "disabled"]
             log(f"sglang_sparse: {config['method']} hooks prefill layers in Python; added --cuda-graph-backend-prefill disabled")
-    log(f"sglang_sparse: method {config['method']} {config['options']}")
+    log(f"sglang_sparse: method {config['method']} {config['options']}"
+        + (f"; sparse prefill {prefill['name']} {prefill['options']}" if prefill else ""))
     return config, argv
 
 

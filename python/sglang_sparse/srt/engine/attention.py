@@ -26,8 +26,8 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_sparse.core.events import DecodeBatch, LayerInput
-from sglang_sparse.core.views import (CellsDecodeView, ComputedDecodeView, DecodeView, LayerRowsView, PrefixKVView,
-                                      QuantizedDecodeView, RowsTailDecodeView)
+from sglang_sparse.core.views import (BlockSparsePrefillView, CellsDecodeView, ComputedDecodeView, DecodeView,
+                                      LayerRowsView, PrefixKVView, QuantizedDecodeView, RowsTailDecodeView)
 from sglang_sparse.kernels.decode import decode_over_cells, decode_over_pages, decode_over_rows_tail, decode_over_views
 from sglang_sparse.kernels.prefill import extend_over_cells, extend_over_kv
 from sglang_sparse.kernels.quantized import quantized_decode
@@ -73,9 +73,14 @@ class SparseHooks:
         else:
             self._write_kv(k, v, layer, forward_batch)
             inp = self._layer_input(q, k, v, layer)
-            view = STATE.scheduler.controller.attention_view(inp)  # prefill stays dense (no sparse prefill yet)
-            o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache=False)
-            if isinstance(view, LayerRowsView):  # earlier rows in per-layer cells: recompute those
+            view = STATE.scheduler.controller.attention_view(inp)
+            if isinstance(view, BlockSparsePrefillView) and all(view.sparse):  # no request left dense
+                o = q.new_empty(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+            else:
+                o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache=False)
+            if isinstance(view, BlockSparsePrefillView):  # sparse prefill: the marked requests' chunks
+                self._extend_block_sparse(inp, view, layer, o.view(-1, layer.tp_q_head_num, layer.v_head_dim))
+            elif isinstance(view, LayerRowsView):  # earlier rows in per-layer cells: recompute those
                 self._extend_over_cells(inp, view, layer, o.view(-1, layer.tp_q_head_num, layer.v_head_dim))
             elif isinstance(view, PrefixKVView):  # history in a method store: recompute those
                 self._extend_over_prefix(inp, view, layer, o.view(-1, layer.tp_q_head_num, layer.v_head_dim))
@@ -165,6 +170,24 @@ class SparseHooks:
             out[start: start + r.num_tokens] = extend_over_kv(
                 inp.request_tokens(i, inp.q), inp.request_tokens(i, inp.k), inp.request_tokens(i, inp.v),
                 k_prev, v_prev, layer.scaling)
+
+    def _extend_block_sparse(self, inp: LayerInput, view: BlockSparsePrefillView, layer, out) -> None:
+        k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        table = self.req_to_token_pool.req_to_token
+        for i, sparse in enumerate(view.sparse):
+            if not sparse:
+                continue
+            r = inp.step.requests[i]
+            # rows [0, row_start) are logical positions [0, row_start) (the controller checked);
+            # the chunk is positions [row_start, row_start + s): keys in position order
+            slots = table[r.req_row, : r.row_start].long()
+            k_all = torch.cat([k_cache[slots], inp.request_tokens(i, inp.k).to(k_cache.dtype)])
+            v_all = torch.cat([v_cache[slots], inp.request_tokens(i, inp.v).to(v_cache.dtype)])
+            q_i = inp.request_tokens(i, inp.q)
+            start = inp.step.token_offsets[i]
+            out[start: start + r.num_tokens] = view.attend(q_i, k_all.to(q_i.dtype), v_all.to(q_i.dtype), r.row_start,
+                                                           layer.scaling).to(out.dtype)
 
     def _decode_over_view(self, inp: LayerInput, view: DecodeView, layer, forward_batch):
         reqs = inp.step.requests

@@ -9,6 +9,7 @@ import torch
 from sglang_sparse.core.cache_manager import CacheManager
 from sglang_sparse.core.controller import SparseController
 from sglang_sparse.methods import build_config, get_method
+from sglang_sparse.registry import build_prefill_config, get_prefill
 from sglang_sparse.srt import activation
 from sglang_sparse.srt.chains import scheduler as chains
 from sglang_sparse.srt.engine.kv_store import SGLangKVStore
@@ -33,15 +34,24 @@ def ensure_controller(model_runner) -> SparseController:
             texts = token_texts(model_runner)
             if texts is not None:
                 runtime.use_vocabulary(texts)
-        st.controller = SparseController(runtime)
+        st.controller = SparseController(runtime, prefill_policy(config))
         # RoPE offsets of rows with logical tokens before them that hold no KV (evicted, or pruned
         # out of a radix path): any method can meet the latter (engine/rows.py).
         rows = model_runner.req_to_token_pool.req_to_token.shape[0]
         st.pos_offset = torch.zeros(rows, dtype=torch.int64, device=model_runner.device)
         chains.setup(model_runner, config)
-        logger.info("sglang_sparse: method %s %s, chain cache %s", method, config.get("options"),
-                    "on" if st.chains is not None else "off")
+        logger.info("sglang_sparse: method %s %s, chain cache %s, sparse prefill %s", method, config.get("options"),
+                    "on" if st.chains is not None else "off", config.get("prefill") or "none")
     return st.controller
+
+
+def prefill_policy(config: dict):
+    """The ``--sparse-prefill`` policy of the launcher's configuration (None: dense prefill)."""
+    prefill = config.get("prefill")
+    if not prefill:
+        return None
+    spec = get_prefill(prefill["name"])
+    return spec.policy_cls(build_prefill_config(prefill["name"], prefill.get("options")))
 
 
 def token_texts(model_runner) -> list[str] | None:
