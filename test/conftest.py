@@ -71,6 +71,20 @@ def sparse_stats(server) -> dict:
     return requests.get(server.base_url + "/sparse/stats", timeout=60).json()
 
 
+def hf_argmax(model, ids, n):
+    """Greedy decoding by argmax (end-of-text tokens included, as ``ignore_eos`` serves them;
+    ``generate`` with ``min_new_tokens`` would suppress them)."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        step = model(torch.tensor([ids]), use_cache=True)
+        for _ in range(n):
+            out.append(int(step.logits[0, -1].argmax()))
+            step = model(torch.tensor([out[-1:]]), past_key_values=step.past_key_values, use_cache=True)
+    return out
+
+
 def greedy(server, ids, n) -> dict:
     """``/generate`` of ``ids``, greedy, exactly ``n`` new tokens (ignore_eos); asserts a 200."""
     import requests

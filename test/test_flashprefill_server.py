@@ -20,7 +20,7 @@ import pytest
 import requests
 import torch
 
-from conftest import greedy, start_server
+from conftest import greedy, hf_argmax, start_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
 from bench_niah import essays_tokens  # noqa: E402
@@ -42,17 +42,10 @@ def stats(server) -> dict:
     return requests.get(server.base_url + "/sparse/stats", timeout=60).json()
 
 
-def hf_argmax(default_model_dir, ids, n):
+def hf_model(default_model_dir):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
-    out = []
-    with torch.no_grad():
-        step = model(torch.tensor([ids]), use_cache=True)
-        for _ in range(n):
-            out.append(int(step.logits[0, -1].argmax()))
-            step = model(torch.tensor([out[-1:]]), past_key_values=step.past_key_values, use_cache=True)
-    return out
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
 
 
 def delta(after, before, key):
@@ -65,7 +58,7 @@ def test_keep_all_equals_hf_through_the_block_sparse_path(request, default_model
     before = stats(srv)
     out = greedy(srv, ids, N)
     after = stats(srv)
-    assert out["output_ids"] == hf_argmax(default_model_dir, ids, N)
+    assert out["output_ids"] == hf_argmax(hf_model(default_model_dir), ids, N)
     layers = 30
     assert delta(after, before, "prefill_sparse_chunks") == layers * -(-600 // 128)
     kept, total = delta(after, before, "prefill_blocks_kept"), delta(after, before, "prefill_blocks_total")

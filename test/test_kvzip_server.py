@@ -21,7 +21,7 @@ import pytest
 import requests
 import torch
 
-from conftest import expand_ranges, start_server, stream_and_get
+from conftest import expand_ranges, hf_argmax, start_server, stream_and_get
 
 POOL = 1536
 BASE = ["--dtype", "float32", "--max-total-tokens", str(POOL), "--chunked-prefill-size", "128",
@@ -49,18 +49,6 @@ def hf_greedy(model, ids, n):
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
     return out[0, len(ids):].tolist()
-
-
-def hf_argmax(model, ids, n):
-    """Greedy decoding by argmax (end-of-text tokens included, as ``ignore_eos`` serves them;
-    ``generate`` with ``min_new_tokens`` would suppress them)."""
-    out = []
-    with torch.no_grad():
-        step = model(torch.tensor([ids]), use_cache=True)
-        for _ in range(n):
-            out.append(int(step.logits[0, -1].argmax()))
-            step = model(torch.tensor([out[-1:]]), past_key_values=step.past_key_values, use_cache=True)
-    return out
 
 
 def probe_len(tok, ids, start: int = 0) -> int:

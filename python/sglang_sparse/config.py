@@ -16,18 +16,11 @@ from sglang_sparse.registry import (ConfigError, build_config, build_prefill_con
 DEFAULT_METHOD = "dense"
 
 
-def _options() -> dict[str, type]:
+def _options(config_classes) -> dict[str, type]:
+    """Option name -> type over the given config dataclasses (each becomes a flag)."""
     opts: dict[str, type] = {}
-    for name in method_names():
-        for f in dataclasses.fields(get_method(name).config_cls):
-            opts[f.name] = type(f.default) if f.default is not dataclasses.MISSING else str
-    return opts
-
-
-def _prefill_options() -> dict[str, type]:
-    opts: dict[str, type] = {}
-    for name in prefill_names():
-        for f in dataclasses.fields(get_prefill(name).config_cls):
+    for cls in config_classes:
+        for f in dataclasses.fields(cls):
             opts[f.name] = type(f.default) if f.default is not dataclasses.MISSING else str
     return opts
 
@@ -36,12 +29,12 @@ def add_sparse_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sglang_sparse")
     group.add_argument("--sparse-method", default=DEFAULT_METHOD,
                        help=f"sparse method: {', '.join(method_names())} (default {DEFAULT_METHOD})")
-    for opt, typ in sorted(_options().items()):
+    for opt, typ in sorted(_options(get_method(n).config_cls for n in method_names()).items()):
         group.add_argument(f"--sparse-{opt.replace('_', '-')}", dest=f"sparse_opt_{opt}", type=typ,
                            default=None, help=f"method option {opt}")
     group.add_argument("--sparse-prefill", default="none",
                        help=f"sparse prefill: none, {', '.join(prefill_names())} (composes with any --sparse-method)")
-    for opt, typ in sorted(_prefill_options().items()):
+    for opt, typ in sorted(_options(get_prefill(n).config_cls for n in prefill_names()).items()):
         group.add_argument(f"--sparse-prefill-{opt.replace('_', '-')}", dest=f"sparse_prefill_opt_{opt}", type=typ,
                            default=None, help=f"sparse prefill option {opt}")
 

@@ -90,28 +90,22 @@ def get_prefill(name: str) -> PrefillSpec:
 
 def build_prefill_config(name: str, knobs: dict[str, Any] | None = None):
     """The prefill policy's validated config (its options are ``--sparse-prefill-<option>``)."""
-    spec = get_prefill(name)
-    fields = {f.name for f in dataclasses.fields(spec.config_cls)}
-    unknown = sorted(set(knobs or {}) - fields)
-    if unknown:
-        raise ConfigError(f"--sparse-prefill {name} has no option {', '.join(unknown)}; "
-                          f"its options: {', '.join(sorted(fields)) or '(none)'}")
-    config = spec.config_cls(**(knobs or {}))
-    config.validate()
-    return config
+    return _validated(get_prefill(name).config_cls, knobs, f"--sparse-prefill {name}")
 
 
 def build_config(name: str, knobs: dict[str, Any] | None = None):
     """The method's validated config from ``knobs`` (unknown knobs are refused)."""
-    spec = get_method(name)
-    fields = {f.name for f in dataclasses.fields(spec.config_cls)}
+    return _validated(get_method(name).config_cls, knobs, f"sparse method {name!r}")
+
+
+def _validated(config_cls: type, knobs: dict[str, Any] | None, who: str):
+    """``config_cls(**knobs)``, validated; unknown knobs refused with a sentence naming ``who``."""
+    fields = {f.name for f in dataclasses.fields(config_cls)}
     unknown = sorted(set(knobs or {}) - fields)
     if unknown:
-        raise ConfigError(
-            f"sparse method {name!r} has no option {', '.join(unknown)}; "
-            f"its options: {', '.join(sorted(fields)) or '(none)'}"
-        )
-    config = spec.config_cls(**(knobs or {}))
+        raise ConfigError(f"{who} has no option {', '.join(unknown)}; "
+                          f"its options: {', '.join(sorted(fields)) or '(none)'}")
+    config = config_cls(**(knobs or {}))
     config.validate()
     return config
 

@@ -154,36 +154,37 @@ class SparseHooks:
                 inp.request_tokens(i, inp.q), inp.request_tokens(i, inp.k), inp.request_tokens(i, inp.v),
                 flat_k, flat_v, cells, layer.scaling)
 
+    def _resident_kv(self, layer, r) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of request ``r``'s resident rows ``[0, row_start)`` in this layer, in row order
+        (the rows before its chunk, read through the engine's slot table)."""
+        slots = self.req_to_token_pool.req_to_token[r.req_row, : r.row_start].long()
+        return (self.token_to_kv_pool.get_key_buffer(layer.layer_id)[slots],
+                self.token_to_kv_pool.get_value_buffer(layer.layer_id)[slots])
+
     def _extend_over_prefix(self, inp: LayerInput, view: PrefixKVView, layer, out) -> None:
-        k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
-        table = self.req_to_token_pool.req_to_token
         for i, prefix in enumerate(view.prefix):
             if prefix is None:
                 continue
             r = inp.step.requests[i]
             # history = the method's prefix (logical [0, n)), then resident rows [0, row_start)
-            slots = table[r.req_row, : r.row_start].long()
-            k_prev = torch.cat([prefix[0].to(k_cache.dtype), k_cache[slots]])
-            v_prev = torch.cat([prefix[1].to(v_cache.dtype), v_cache[slots]])
+            k_rows, v_rows = self._resident_kv(layer, r)
+            k_prev = torch.cat([prefix[0].to(k_rows.dtype), k_rows])
+            v_prev = torch.cat([prefix[1].to(v_rows.dtype), v_rows])
             start = inp.step.token_offsets[i]
             out[start: start + r.num_tokens] = extend_over_kv(
                 inp.request_tokens(i, inp.q), inp.request_tokens(i, inp.k), inp.request_tokens(i, inp.v),
                 k_prev, v_prev, layer.scaling)
 
     def _extend_block_sparse(self, inp: LayerInput, view: BlockSparsePrefillView, layer, out) -> None:
-        k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
-        table = self.req_to_token_pool.req_to_token
         for i, sparse in enumerate(view.sparse):
             if not sparse:
                 continue
             r = inp.step.requests[i]
             # rows [0, row_start) are logical positions [0, row_start) (the controller checked);
             # the chunk is positions [row_start, row_start + s): keys in position order
-            slots = table[r.req_row, : r.row_start].long()
-            k_all = torch.cat([k_cache[slots], inp.request_tokens(i, inp.k).to(k_cache.dtype)])
-            v_all = torch.cat([v_cache[slots], inp.request_tokens(i, inp.v).to(v_cache.dtype)])
+            k_rows, v_rows = self._resident_kv(layer, r)
+            k_all = torch.cat([k_rows, inp.request_tokens(i, inp.k).to(k_rows.dtype)])
+            v_all = torch.cat([v_rows, inp.request_tokens(i, inp.v).to(v_rows.dtype)])
             q_i = inp.request_tokens(i, inp.q)
             start = inp.step.token_offsets[i]
             out[start: start + r.num_tokens] = view.attend(q_i, k_all.to(q_i.dtype), v_all.to(q_i.dtype), r.row_start,
