@@ -24,7 +24,8 @@
 #   capacity  8B shape, 32K in / 2K out: largest resident batch, dense vs SnapKV(2048)   ~7 min
 #   capacity393k  the same at a 393,216-token pool: SnapKV (batch 89), then dense over 16/32 splits ~9.5 min
 #   capacity-eviction  R-KV, SnapKV and dense (16 splits) at a 98,304-token pool               ~6 min
-#   capacity-kvzip  KVzip (probe at 32K: 65K rows while it runs), SnapKV, dense (16 splits), 98,304 pool
+#   capacity-kvzip  KVzip's kernel test, then KVzip (probe at 32K: 65K rows while it runs), dense
+#                   (16 / 64 splits), SnapKV, 98,304 pool (~8 min, est.)
 #   matched   8B shape, 32K: plain SGLang vs dense vs Quest(2048) at batch 1 2 4 8       ~8 min
 #   matched128k-dense   8B shape, 128K, batch 1 2 4: dense tuned over 32 / 64 kv splits  ~9 min
 #   matched128k-sparse  the same prompts: Quest(2048) and OmniKV(2048)                   ~9 min
@@ -35,6 +36,7 @@
 #                   2K tool outputs, 98,304-token pool): dense + radix over 8 / 16 splits in the
 #                   first call; SnapKV, H2O and R-KV (budget 2,048) + Chain Cache in the second
 #   agent-replay8-dense / -evict  the same over 8 turns: dense + radix (8 / 16 splits); SnapKV + chain
+#   agent-replay8   both in one call: SnapKV + chain (200 s cap), dense + radix at 16 splits (390 s cap)
 #   overhead-compile  plain SGLang vs dense through sglang_sparse at 32K, batch 1 and 8, both with
 #                   --enable-torch-compile at 16 kv splits (issue 15's < 3% overhead)
 #   capacity-online  issue 16's table at a 49,152-token pool, 8,192-token prefill chunks: dense
@@ -144,23 +146,31 @@ for stage in "$@"; do
         --kv-splits 8 16 --sessions 32 --turns 4 --system 4096 --tool-output 2048 --answer 64 --budget 2048 \
         --pool 98304 --out "$OUT/agent_replay_h200_${stage##*-}.json" \
         -- --cuda-graph-bs-decode 1 2 4 8 16 24 32 2>&1 | tee "$OUT/$stage.txt" ;;
-    capacity-kvzip)  # issue 16: KVzip (keep ratio 2,048 / 32,768) next to SnapKV and dense, 98,304-token pool
-      # (2026-12-03: the first run printed nothing before the 565 s cut, it then had no progress
-      # lines: KVzip's 8 probes at 32K, scored in plain torch, did not finish with the server's
-      # start and warm-up inside one call; give KVzip a call of its own)
-      timeout 565 python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 98304 \
-        --prompt-len 32768 --output-len 2048 --methods kvzip snapkv dense --tune dense --kv-splits 16 \
-        --timeout 240 --out "$OUT/long_capacity_32k_kvzip.json" \
+    capacity-kvzip)  # issue 16: KVzip (keep ratio 2,048 / 32,768) next to tuned dense and SnapKV, 98,304-token pool
+      # (2026-12-03: the first run, probe scored in plain torch, printed nothing before its 565 s cut;
+      # the probe is now scored by triton_kvzip, whose GPU test runs first, ~1 min)
+      GPU_TEST_TIMEOUT=80 gpu_tests kvzip-kernel test/test_kvzip_kernel.py
+      timeout 500 python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 98304 \
+        --prompt-len 32768 --output-len 2048 --methods kvzip dense snapkv --tune dense --kv-splits 16 64 \
+        --timeout 200 --out "$OUT/long_capacity_32k_kvzip.json" \
         -- --cuda-graph-bs-decode 1 2 4 8 16 2>&1 | tee "$OUT/$stage.txt" ;;
     tests-kvzip)
       gpu_tests "$stage" test/test_gpu_server.py -k kvzip ;;
     agent-replay8-dense|agent-replay8-evict)  # the same sessions over 8 turns (dense re-prefills each
       # evicted session's whole history: its prefill grows with the square of the turns, a chain's linearly)
-      if [ "$stage" = agent-replay8-dense ]; then vs=(dense+radix); sp=(8 16); else vs=(snapkv+chain); sp=(16); fi
+      if [ "$stage" = agent-replay8-dense ]; then vs=(dense+radix); sp=(16 8); else vs=(snapkv+chain); sp=(16); fi
       timeout 565 python3 benchmark/bench_agent_replay.py --gpu --model-path "$M8" --variants "${vs[@]}" \
         --kv-splits "${sp[@]}" --sessions 32 --turns 8 --system 4096 --tool-output 2048 --answer 64 --budget 2048 \
         --pool 98304 --out "$OUT/agent_replay8_h200_${stage##*-}.json" \
         -- --cuda-graph-bs-decode 1 2 4 8 16 24 32 2>&1 | tee "$OUT/$stage.txt" ;;
+    agent-replay8)  # both 8-turn variants in one call: SnapKV + chain first (~2 min), then dense + radix
+      # at 16 kv splits (the 4-turn run's best: 54.8 s vs 56.5 s at 8; prefill dominates at 8 turns)
+      for v in snapkv+chain dense+radix; do
+        timeout $([ $v = dense+radix ] && echo 390 || echo 200) python3 benchmark/bench_agent_replay.py --gpu \
+          --model-path "$M8" --variants $v --kv-splits 16 --sessions 32 --turns 8 --system 4096 \
+          --tool-output 2048 --answer 64 --budget 2048 --pool 98304 --out "$OUT/agent_replay8_h200_${v%%+*}.json" \
+          -- --cuda-graph-bs-decode 1 2 4 8 16 24 32 2>&1 | tee "$OUT/agent-replay8-${v%%+*}.txt"
+      done ;;
     overhead-compile)  # issue 15: dense through sglang_sparse vs plain SGLang, both compiled and at 16 splits
       timeout 560 python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 32768 --output-len 64 \
         --batches 1 8 --pool 294912 --methods plain dense --tune plain dense --kv-splits 16 --start-timeout 300 \

@@ -4,7 +4,8 @@ After the context (the prompt, ``[0, P)``) is prefilled, a reconstruction probe 
 after it: "repeat the previous context" followed by the context itself, teacher-forced
 (``probe_tokens``). Importance of context position j in layer l, KV head h = the max over probe
 queries and over the query heads of h's GQA group of their causal softmax attention to j
-(``sgl_kernel_sparse.reference.kvzip_probe_scores``, fp32). One global selection over every
+(``sgl_kernel_sparse.reference.kvzip_probe_scores``, fp32; on CUDA a two-pass Triton kernel,
+``triton_kvzip``, that never holds the probe's attention matrix). One global selection over every
 (layer, KV head, position) keeps ``floor(keep_ratio * layers * kv_heads * P)`` entries, the first
 ``sinks`` positions of every head first (``reference.kvzip_keep_mask``). The probe's own rows are
 all dropped; decode continues at logical position P.
@@ -72,7 +73,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from sgl_kernel_sparse.reference import KVZIP_SINKS, kvzip_keep_mask, kvzip_probe_scores
+from sgl_kernel_sparse import kvzip_probe_scores
+from sgl_kernel_sparse.reference import KVZIP_SINKS, kvzip_keep_mask
 
 from sglang_sparse.core.eviction import EvictingRuntime
 from sglang_sparse.core.pruning import kvzip_prompt_ids
@@ -83,7 +85,7 @@ from sglang_sparse.registry import ConfigError, check_range, register_method
 
 CONTEXT_KEY = "kvzip_context"  # request metadata: the context length P (the probe follows it)
 START_KEY = "kvzip_start"  # request metadata: M, the first context position scored (a resumed chain's)
-QUERY_BLOCK = 256  # probe queries scored at once (bounded memory: [Hq, block, P + S] fp32)
+QUERY_BLOCK = 256  # CPU: probe queries scored at once (memory [Hq, block, P + S] fp32); CUDA: one Triton call
 
 
 @dataclass(frozen=True)
@@ -191,12 +193,9 @@ class KVzipRuntime(EvictingRuntime):
             # rows [0, R) hold resumed positions < M (all visible to the probe); row R + (x - M)
             # holds logical position x >= M, so the causal mask compares rows
             r = _resumed_rows(state.retained, layer, start)
-            best = None
-            for b in range(0, q.shape[0], QUERY_BLOCK):
-                rows = torch.arange(ctx + b, ctx + min(b + QUERY_BLOCK, q.shape[0])) - start + r
-                s = kvzip_probe_scores(q[b: b + QUERY_BLOCK], keys, rows.to(keys.device), r + ctx - start).cpu()
-                best = s if best is None else torch.maximum(best, s)
-            out.append(best[:, r:])
+            rows = torch.arange(ctx, ctx + q.shape[0], device=keys.device) - start + r
+            best = kvzip_probe_scores(q, keys, rows, r + ctx - start, query_block=QUERY_BLOCK)
+            out.append(best[:, r:].cpu())
             resumed.append(r)
         return torch.stack(out), resumed
 

@@ -10,6 +10,7 @@ from .reference import pyramid_budgets
 from .dispatch import (
     cells_decode_attention,
     compact_kv,
+    kvzip_probe_scores,
     paged_sparse_decode_attention,
     quest_fold_decode_keys,
     quest_page_scores,
@@ -30,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "cells_decode_attention",
     "compact_kv",
+    "kvzip_probe_scores",
     "paged_sparse_decode_attention",
     "pyramid_budgets",
     "quest_fold_decode_keys",

@@ -128,6 +128,20 @@ def quest_fold_decode_keys(kmin, kmax, k, slots, page):
     return reference.quest_fold_keys(kmin, kmax, k, slots, page)
 
 
+def kvzip_probe_scores(q_probe, keys, q_positions, context_len, scale=None, query_block=256):
+    """``reference.kvzip_probe_scores``: on CUDA the two-pass Triton kernel (``triton_kvzip``,
+    nothing of size ``S x N`` in memory); elsewhere the reference over ``query_block`` probe
+    queries at a time (memory ``Hq x query_block x N`` fp32), combined by ``torch.maximum``."""
+    if use_triton(q_probe, keys, q_positions):
+        return _triton_ops().kvzip_probe_scores(q_probe, keys, q_positions, context_len, scale=scale)
+    best = None
+    for lo in range(0, q_probe.shape[0], query_block):
+        s = reference.kvzip_probe_scores(q_probe[lo: lo + query_block], keys,
+                                         q_positions[lo: lo + query_block], context_len, scale)
+        best = s if best is None else torch.maximum(best, s)
+    return best
+
+
 # Other selections stay in torch on every device (stable sorts: ties -> lower index).
 snapkv_select = reference.snapkv_select
 stable_topk = reference.stable_topk
