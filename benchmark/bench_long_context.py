@@ -68,6 +68,8 @@ def variant(name: str, budget: int, prompt_len: int = 32768) -> tuple[str, list[
         # Quest allocates KV in 16-token pages (the launcher sets it); the dense variants use the
         # same page size so all three share the allocator and kernels. SnapKV needs page size 1.
         "plain": ["--page-size", "16"], "dense": ["--page-size", "16"],
+        # FlashPrefill's block-sparse prefill (bench_prefill.py), dense decode, the same pages
+        "flashprefill": ["--sparse-prefill", "flashprefill", "--page-size", "16"],
         "quest": ["--sparse-method", "quest", "--sparse-token-budget", str(budget)],
         # filter layers 2, 8, 18 (the paper's choice for 32-layer models; the 8B shape has 36)
         "omnikv": ["--sparse-method", "omnikv", "--sparse-token-budget", str(budget), "--page-size", "16"],
@@ -158,6 +160,9 @@ def decode_window(base_url: str, prompts: list[list[int]], max_new: int, warmup:
     tokens = sum(sum(1 for x in s.times if t0 < x <= t1) for s in streams)
     res.update(decode_tok_s=tokens / (t1 - t0) if t1 > t0 else float("nan"), window_tokens=tokens,
                window_s=t1 - t0, ttft_last_s=max(s.times[0] for s in streams) - t_start)
+    if t1 <= t0:  # e.g. KVzip at 32K: its probes admit one request at a time
+        res["window_note"] = ("no common decode window: the first request left its window before the "
+                              "last one was past its warm-up (admission too slow for this output length)")
     return res
 
 

@@ -41,6 +41,8 @@
 #                   --enable-torch-compile at 16 kv splits (issue 15's < 3% overhead)
 #   capacity-online  issue 16's table at a 49,152-token pool, 8,192-token prefill chunks: dense
 #                   (16 / 64 splits), H2O, SkipKV, SnapKV, R-KV (~8 min, est.)
+#   prefill-flash  issue 17: prefill speed (TTFT of one request, 1 output token), 32K and 128K
+#                   prompts, FlashPrefill (threshold 0.9) then dense, 16,384-token chunks (258 s, 2026-12-03)
 #   (each 128K server prefills 4 prompts, ~45 s each, so two servers fill one call)
 # One call holds at most 10 minutes: give stages whose times add up to well under that, e.g.
 #   bash benchmark/gpu/run_all.sh tests-kernels tests-kivi
@@ -148,12 +150,14 @@ for stage in "$@"; do
         -- --cuda-graph-bs-decode 1 2 4 8 16 24 32 2>&1 | tee "$OUT/$stage.txt" ;;
     capacity-kvzip)  # issue 16: KVzip (keep ratio 2,048 / 32,768) next to tuned dense and SnapKV, 98,304-token pool
       # (2026-12-03: the first run, probe scored in plain torch, printed nothing before its 565 s cut;
-      # the probe is now scored by triton_kvzip, whose GPU test runs first, ~1 min)
+      # the probe is now scored by triton_kvzip, whose GPU test runs first, ~1 min; the second run,
+      # 524 s: KVzip's 8 probes serialize, 173 s to the last first token, no common decode window;
+      # the 500 s cap ended during SnapKV's prefills. SnapKV's batch is 17: graphs up to 17)
       GPU_TEST_TIMEOUT=80 gpu_tests kvzip-kernel test/test_kvzip_kernel.py
       timeout 500 python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 98304 \
         --prompt-len 32768 --output-len 2048 --methods kvzip dense snapkv --tune dense --kv-splits 16 64 \
         --timeout 200 --out "$OUT/long_capacity_32k_kvzip.json" \
-        -- --cuda-graph-bs-decode 1 2 4 8 16 2>&1 | tee "$OUT/$stage.txt" ;;
+        -- --cuda-graph-bs-decode 1 2 4 8 16 17 2>&1 | tee "$OUT/$stage.txt" ;;
     tests-kvzip)
       gpu_tests "$stage" test/test_gpu_server.py -k kvzip ;;
     agent-replay8-dense|agent-replay8-evict)  # the same sessions over 8 turns (dense re-prefills each
@@ -176,6 +180,16 @@ for stage in "$@"; do
         --batches 1 8 --pool 294912 --methods plain dense --tune plain dense --kv-splits 16 --start-timeout 300 \
         --out "$OUT/long_matched_32k_overhead_compile.json" -- --cuda-graph-bs-decode 1 2 4 8 \
         --enable-torch-compile --torch-compile-max-bs 8 2>&1 | tee "$OUT/$stage.txt" ;;
+    prefill-flash)  # issue 17: FlashPrefill vs dense prefill, one server each, 2 requests per length
+      # (the first discarded). Estimate per server: start + decode graph at batch 1 ~60 s, 32K ~8 s x 2,
+      # 128K ~45 s x 2 for dense (matched128k's TTFT at 8K chunks) -> ~170 s; FlashPrefill first (its
+      # served path has not run on a GPU: its mask is torch per request and layer, it may be slower)
+      # ~170-230 s; both ~400 s < 560. One line per request as it goes ("prefill <variant> L=.. rep=..
+      # {json}"), so a cut run still says what it measured; the JSON is rewritten after each. Dummy
+      # weights: block scores near uniform, so the 0.9 mass may keep most blocks (see kept_fraction).
+      timeout 560 python3 benchmark/bench_prefill.py --model-path "$M8" --prompt-len 32768 131072 \
+        --variants flashprefill dense --repeats 2 --chunk 16384 --timeout 240 --start-timeout 240 \
+        --out "$OUT/prefill_flash_h200.json" -- --cuda-graph-bs-decode 1 2>&1 | tee "$OUT/$stage.txt" ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "=== $stage took $((SECONDS - start)) s"
