@@ -66,6 +66,14 @@ CONFIGS = {
     "fp8": ["--sparse-method", "fp8"],
     "kivi-2bit": ["--sparse-method", "kivi", "--sparse-bits", "2"],
     "kivi-4bit": ["--sparse-method", "kivi", "--sparse-bits", "4"],
+    "turboquant-2bit": ["--sparse-method", "turboquant", "--sparse-bits", "2"],
+    "turboquant-4bit": ["--sparse-method", "turboquant", "--sparse-bits", "4"],
+    # FlashPrefill (dense decode) at its default keep threshold and a sparser one; its 4,096-key
+    # minimum lowered to 512 so that every prompt of the grid is prefilled block-sparse
+    "flashprefill@0.9": ["--sparse-prefill", "flashprefill", "--sparse-prefill-threshold", "0.9",
+                         "--sparse-prefill-min-len", "512"],
+    "flashprefill@0.5": ["--sparse-prefill", "flashprefill", "--sparse-prefill-threshold", "0.5",
+                         "--sparse-prefill-min-len", "512"],
 }
 
 

@@ -2,8 +2,9 @@
 
 ``triton.jit`` reads ``TRITON_INTERPRET`` when a kernel module is imported, so every case of a
 test file runs in *one* subprocess (``python <file> --interp``) with the variable set, and each
-outcome is reported back to its own pytest test: ``results_of(file)`` (pytest side) and
-``run_cases(cases, T)`` + ``report`` (subprocess side)."""
+outcome is reported back to its own pytest test: ``interpreter_test(__file__, CASES)`` builds that
+test (pytest side; ``results_of(file)`` runs the subprocess) and ``run_cases(cases, T)`` +
+``report`` run and report the cases (subprocess side)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "INTERP-RESULTS "
@@ -53,3 +56,25 @@ def results_of(test_file: str) -> dict:
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith(MARKER)]
     assert res.returncode == 0 and lines, f"interpreter run failed:\n{res.stdout}\n{res.stderr}"
     return json.loads(lines[-1][len(MARKER):])
+
+
+def interpreter_test(test_file: str, cases: dict):
+    """The pytest test of a kernel file's interpreter cases: ``test_triton_interpreter =
+    interpreter_test(__file__, CASES)``, one parametrized test per case. The subprocess runs once,
+    at the first case; a failed run fails every case with its output."""
+    outcome: dict = {}
+
+    @pytest.mark.parametrize("case", sorted(cases))
+    def test_triton_interpreter(case):
+        if not outcome:
+            try:
+                outcome["results"] = results_of(test_file)
+            except AssertionError as exc:
+                outcome["error"] = str(exc)
+        assert "error" not in outcome, outcome.get("error")
+        status, msg = outcome["results"].get(case, ["fail", "case did not report"])
+        if status == "skip":
+            pytest.skip(msg)
+        assert status == "ok", msg
+
+    return test_triton_interpreter

@@ -35,7 +35,7 @@ if str(ROOT / "sgl-kernel-sparse" / "python") not in sys.path:  # the package fr
 from sgl_kernel_sparse import flashprefill as F  # noqa: E402
 from sgl_kernel_sparse.reference import attention_probs  # noqa: E402
 
-from interpreter_cases import Unsupported, report, results_of, run_cases  # noqa: E402
+from interpreter_cases import Unsupported, interpreter_test, report, run_cases  # noqa: E402
 
 
 def inputs(s, start, hq, hkv, d, dtype=torch.float32, seed=0, dv=None, spread=2.0):
@@ -306,17 +306,7 @@ def _bf16_dot_broken():
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
-@pytest.fixture(scope="module")
-def interp_results():
-    return results_of(__file__)
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_triton_interpreter(case, interp_results):
-    status, msg = interp_results.get(case, ["fail", "case did not report"])
-    if status == "skip":
-        pytest.skip(msg)
-    assert status == "ok", msg
+test_triton_interpreter = interpreter_test(__file__, CASES)
 
 
 def test_kernel_compiles_for_sm90_without_spills(tmp_path):

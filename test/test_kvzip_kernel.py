@@ -24,7 +24,7 @@ if str(ROOT / "sgl-kernel-sparse" / "python") not in sys.path:  # the package fr
 
 from sgl_kernel_sparse import dispatch, reference  # noqa: E402
 
-from interpreter_cases import report, results_of, run_cases  # noqa: E402
+from interpreter_cases import interpreter_test, report, run_cases  # noqa: E402
 
 
 def probe_inputs(c, s, hq, hkv, d, dtype, seed, gap=0, strided_q=False):
@@ -98,17 +98,7 @@ def _run_cases_here() -> dict:
     return run_cases(CASES, SimpleNamespace(kvzip_probe_scores=kvzip_probe_scores))
 
 
-@pytest.fixture(scope="module")
-def interp_results():
-    return results_of(__file__)
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_triton_interpreter(case, interp_results):
-    status, msg = interp_results.get(case, ["fail", "case did not report"])
-    if status == "skip":
-        pytest.skip(msg)
-    assert status == "ok", msg
+test_triton_interpreter = interpreter_test(__file__, CASES)
 
 
 def test_dispatch_blocks_queries_on_the_cpu():

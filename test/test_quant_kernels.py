@@ -35,7 +35,7 @@ if str(PKG_ROOT / "python") not in sys.path:  # the package is used from the che
 from sgl_kernel_sparse import quant as Q  # noqa: E402
 
 
-from interpreter_cases import report, results_of, run_cases  # noqa: E402
+from interpreter_cases import interpreter_test, report, run_cases  # noqa: E402
 
 
 # ============================================================ shared input builders
@@ -429,17 +429,7 @@ def _run_cases_here() -> dict:
                                             fp8_decode_attention=fp8_decode_attention))
 
 
-@pytest.fixture(scope="module")
-def interp_results():
-    return results_of(__file__)
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_triton_interpreter(case, interp_results):
-    status, msg = interp_results.get(case, ["fail", "case did not report"])
-    if status == "skip":
-        pytest.skip(msg)
-    assert status == "ok", msg
+test_triton_interpreter = interpreter_test(__file__, CASES)
 
 
 def test_quant_kernels_compile_for_sm90_without_spills(tmp_path):

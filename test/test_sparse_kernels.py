@@ -256,7 +256,7 @@ def test_bench_exits_clearly_without_cuda(tmp_path):
 # Each case runs in the subprocess (TRITON_INTERPRET=1) with T = sgl_kernel_sparse.triton_ops.
 
 
-from interpreter_cases import Unsupported, report, results_of, run_cases  # noqa: E402
+from interpreter_cases import Unsupported, interpreter_test, report, run_cases  # noqa: E402
 
 
 def case_interpreter_active(T):
@@ -651,17 +651,7 @@ def _run_cases_here() -> dict:
     return run_cases(CASES, T)
 
 
-@pytest.fixture(scope="module")
-def interp_results():
-    return results_of(__file__)
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_triton_interpreter(case, interp_results):
-    status, msg = interp_results.get(case, ["fail", "case did not report"])
-    if status == "skip":
-        pytest.skip(msg)
-    assert status == "ok", msg
+test_triton_interpreter = interpreter_test(__file__, CASES)
 
 
 def test_kernels_compile_for_sm90_without_spills(tmp_path):

@@ -25,7 +25,7 @@ if str(ROOT / "sgl-kernel-sparse" / "python") not in sys.path:  # the package fr
 
 from sgl_kernel_sparse import turboquant as tq  # noqa: E402
 
-from interpreter_cases import report, results_of, run_cases  # noqa: E402
+from interpreter_cases import interpreter_test, report, run_cases  # noqa: E402
 
 
 def tq_inputs(b, hq, hkv, d, bits, group, n_blocks, res_lens, dtype, seed, idx_dtype=torch.int32,
@@ -169,17 +169,7 @@ def _run_cases_here() -> dict:
     return run_cases(CASES, SimpleNamespace(turboquant_decode_attention=turboquant_decode_attention))
 
 
-@pytest.fixture(scope="module")
-def interp_results():
-    return results_of(__file__)
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_triton_interpreter(case, interp_results):
-    status, msg = interp_results.get(case, ["fail", "case did not report"])
-    if status == "skip":
-        pytest.skip(msg)
-    assert status == "ok", msg
+test_triton_interpreter = interpreter_test(__file__, CASES)
 
 
 # ============================================================ GPU: compiled kernel, real shapes
