@@ -84,6 +84,26 @@ def test_continuation_prefills_only_the_suffix_over_compacted_kv(server):
     assert_rows_accounted(server)
 
 
+def test_a_one_token_answer_parks_its_compacted_rows(server):
+    """SnapKV plans its compaction after the prompt; with one output token the request finishes in
+    that same step. The chain must park the budget, not the whole prompt, and resume from it."""
+    before = stats(server)["counters"]
+    p1 = ids(300, 21)
+    code, o1 = gen(server, p1, 1)
+    assert code == 200, o1
+    cid = o1["meta_info"]["chain_id"]
+    rec = chain(server, cid)
+    assert (rec["status"], rec["processed_tokens"], rec["retained_rows"]) == ("idle", 300, BUDGET)
+    assert stats(server)["counters"]["slots_released"] - before["slots_released"] == 300 - BUDGET
+    assert_rows_accounted(server)
+    code, o2 = gen(server, p1 + ids(20, 22), 1, cid)
+    assert code == 200, o2
+    assert (o2["meta_info"]["chain_status"], o2["meta_info"]["reused_tokens"]) == ("resumed", 300)
+    assert chain(server, cid)["retained_rows"] == BUDGET
+    assert requests.delete(f"{server.base_url}/chain/{cid}", timeout=60).json()["freed_rows"] == BUDGET
+    assert_rows_accounted(server)
+
+
 def test_top_level_chain_id_and_openai_requests_resume_chains(server):
     url = server.base_url
     p1 = ids(120, 16)

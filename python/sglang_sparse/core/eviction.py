@@ -47,6 +47,9 @@ class EvictingRuntime(SparseMethodRuntime):
     def plan(self, rid: str) -> torch.Tensor | list[torch.Tensor] | None:
         raise NotImplementedError
 
+    def has_pending(self, rid: str) -> bool:
+        return rid in self.pending
+
     def apply_pending(self, only: set[str] | None = None) -> int:
         freed, waiting = 0, []
         for rid in self.pending:

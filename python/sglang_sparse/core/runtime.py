@@ -240,3 +240,7 @@ class SparseMethodRuntime:
         """At the engine's safe point: apply planned physical changes, for the requests in
         ``only`` (None: all); the rest stay planned. Returns slots freed."""
         return 0
+
+    def has_pending(self, rid: str) -> bool:
+        """Whether a physical change is planned for ``rid`` and not applied yet."""
+        return False

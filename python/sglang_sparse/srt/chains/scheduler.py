@@ -213,10 +213,34 @@ def before_release(req) -> None:
         return  # already invalidated (e.g. retracted earlier): nothing to keep
     known = STATE.scheduler.controller.cache.requests.get(req.rid)
     if req.finished() and not isinstance(req.finished_reason, FINISH_ABORT) and known is not None:
+        settle_before_park(req)
         sparse(req).park = Parked(None, copy.deepcopy(known.retained), dict(known.metadata))
         STATE.scheduler.controller.runtime.on_request_parked(req.rid)  # its method store goes too
     else:  # cancelled, failed or retracted: the request's own release frees its rows
         idx.invalidate(ch.chain_id, "aborted" if req.finished() else "preempted")
+
+
+def settle_before_park(req) -> None:
+    """A compaction planned in the request's last step (SnapKV's after the prompt of a one-token
+    answer, KIVI's quantization of its prompt) would be dropped with the request, and the chain
+    would park every row at full size. Apply it now, at the request's own safe point (it runs no
+    more forwards):
+
+    ```
+    rows  0 ........... P-1 | P .. A-1        P = retained rows, A = kv_allocated_len
+          the request's KV    slots of sampled tokens that never ran (no KV): freed first
+    ```
+    then the compaction keeps P' <= P rows and frees the rest; the request owns rows ``[0, P')``
+    (as after any compaction), which ``park_row`` parks."""
+    ctl = STATE.scheduler.controller
+    if not ctl.runtime.has_pending(req.rid):
+        return
+    store, rows = ctl.cache.store, ctl.cache.requests[req.rid].retained.n_rows
+    row, allocated = req.kv.req_pool_idx, req.kv.kv_allocated_len
+    if allocated > rows:
+        store.free_slots(store.row_slots(row, rows, allocated).clone())
+    ctl.safe_point({req.rid})
+    req.kv.kv_allocated_len = req.kv.kv_committed_len = ctl.cache.requests[req.rid].retained.n_rows
 
 
 def before_release_aborted(scheduler, req, *args, **kwargs):
