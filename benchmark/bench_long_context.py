@@ -48,7 +48,7 @@ from pathlib import Path
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_json  # noqa: E402
+from common import RESULTS, write_json  # noqa: E402
 
 from sglang_sparse.server_process import ServerProcess
 
@@ -100,24 +100,28 @@ class Stream(threading.Thread):
     """One streamed greedy request; records when each token arrived; stops reading (SGLang then
     aborts the request) once ``stop`` is set."""
 
-    def __init__(self, base_url: str, ids: list[int], max_new: int, stop: threading.Event) -> None:
+    def __init__(self, base_url: str, ids: list[int], max_new: int, stop: threading.Event,
+                 timeout: float = 3600) -> None:
         super().__init__(daemon=True)
         self.url, self.ids, self.max_new, self.stop = base_url + "/generate", ids, max_new, stop
+        self.timeout = timeout
         self.times: list[float] = []
+        self.meta: dict = {}  # the last chunk's meta_info
         self.error: str | None = None
 
     def run(self) -> None:
         body = {"input_ids": self.ids, "stream": True,
                 "sampling_params": {"temperature": 0, "max_new_tokens": self.max_new, "ignore_eos": True}}
         try:
-            with requests.post(self.url, json=body, stream=True, timeout=3600) as resp:
+            with requests.post(self.url, json=body, stream=True, timeout=self.timeout) as resp:
                 resp.raise_for_status()
                 for line in resp.iter_lines():
                     if self.stop.is_set():
                         return
                     if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
                         continue
-                    count = json.loads(line[5:])["meta_info"]["completion_tokens"]
+                    self.meta = json.loads(line[5:])["meta_info"]
+                    count = self.meta["completion_tokens"]
                     now = time.monotonic()
                     self.times += [now] * (count - len(self.times))
         except Exception as err:  # reported with the result, never silently dropped
@@ -344,7 +348,7 @@ def main() -> None:
         if "kv" in res:
             cells.append(f"{res['kv']['kv_bytes_per_token']} B/token")
         print(f"{name:<8}", "; ".join(cells) or res.get("error"))
-    print(f"wrote benchmark/results/{out}")
+    print(f"wrote {RESULTS / out}")  # the last save()'s file (an absolute --out stays as is)
 
 
 if __name__ == "__main__":

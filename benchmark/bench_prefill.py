@@ -54,6 +54,7 @@ import platform
 import signal
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -61,7 +62,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_long_context as LC  # noqa: E402
-from common import write_json  # noqa: E402
+from common import RESULTS, write_json  # noqa: E402
 
 COUNTERS = ("prefill_sparse_chunks", "prefill_dense_chunks", "prefill_blocks_kept", "prefill_blocks_total")
 
@@ -88,23 +89,19 @@ def stats(base_url: str) -> dict:
 
 def prefill_once(base_url: str, ids: list[int], timeout: float) -> dict:
     """One streamed request with one output token: TTFT (client side) and what the server says."""
-    body = {"input_ids": ids, "stream": True,
-            "sampling_params": {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}}
+    stream = LC.Stream(base_url, ids, 1, threading.Event(), timeout=timeout)
     before = stats(base_url)
-    t0, first, meta = time.monotonic(), None, {}
-    with requests.post(base_url + "/generate", json=body, stream=True, timeout=timeout) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                continue
-            meta = json.loads(line[5:]).get("meta_info", {})
-            if first is None and meta.get("completion_tokens", 0) >= 1:
-                first = time.monotonic()
+    t0 = time.monotonic()
+    stream.run()  # in this thread: returns when the response ends
     end = time.monotonic()
+    if stream.error:
+        raise RuntimeError(stream.error)
     after = stats(base_url)
     requests.post(base_url + "/flush_cache", timeout=60)  # the next prefill starts on an empty pool
-    res = {"ttft_s": (first or end) - t0, "end_s": end - t0, "prompt_tokens": meta.get("prompt_tokens"),
-           "cached_tokens": meta.get("cached_tokens"), **{k: after[k] - before[k] for k in COUNTERS}}
+    meta = stream.meta
+    res = {"ttft_s": (stream.times[0] if stream.times else end) - t0, "end_s": end - t0,
+           "prompt_tokens": meta.get("prompt_tokens"), "cached_tokens": meta.get("cached_tokens"),
+           **{k: after[k] - before[k] for k in COUNTERS}}
     total = res["prefill_blocks_total"]
     res["kept_fraction"] = res["prefill_blocks_kept"] / total if total else None
     return res
@@ -230,7 +227,7 @@ def main() -> None:
     print(f"\nprefill: one request at a time, max_new_tokens=1, streamed TTFT (client), median of "
           f"{args.repeats - 1} after a warm-up; chunk {args.chunk}")
     print("\n".join(table(results, sorted(args.prompt_len))))
-    print(f"wrote benchmark/results/{out}")
+    print(f"wrote {RESULTS / out}")  # the last save()'s file (an absolute --out stays as is)
 
 
 if __name__ == "__main__":

@@ -235,12 +235,19 @@ def settle_before_park(req) -> None:
     ctl = STATE.scheduler.controller
     if not ctl.runtime.has_pending(req.rid):
         return
-    store, rows = ctl.cache.store, ctl.cache.requests[req.rid].retained.n_rows
-    row, allocated = req.kv.req_pool_idx, req.kv.kv_allocated_len
-    if allocated > rows:
-        store.free_slots(store.row_slots(row, rows, allocated).clone())
-    ctl.safe_point({req.rid})
+    trim_rows(req, ctl.cache.requests[req.rid].retained.n_rows)
+    ctl.safe_point({req.rid})  # frees the dropped rows' slots itself
     req.kv.kv_allocated_len = req.kv.kv_committed_len = ctl.cache.requests[req.rid].retained.n_rows
+
+
+def trim_rows(req, rows: int) -> None:
+    """The finished request owns rows ``[0, rows)``: slots allocated past them (for sampled tokens
+    that never ran, so hold no KV) go back to SGLang's allocator."""
+    store = STATE.scheduler.controller.cache.store
+    allocated = req.kv.kv_allocated_len
+    if allocated > rows:
+        store.free_slots(store.row_slots(req.kv.req_pool_idx, rows, allocated).clone())
+    req.kv.kv_allocated_len = req.kv.kv_committed_len = rows
 
 
 def before_release_aborted(scheduler, req, *args, **kwargs):
@@ -296,11 +303,8 @@ def park_row(cache, req) -> bool:
     if cache.tree_on:
         return False  # SGLang inserts the KV into the tree; on_release pins the path
     sparse(req).park = None
-    rows, store = park.retained.n_rows, STATE.scheduler.controller.cache.store
-    row, allocated = req.kv.req_pool_idx, req.kv.kv_allocated_len
-    if allocated > rows:  # a slot allocated for a token that never ran
-        store.free_slots(store.row_slots(row, rows, allocated).clone())
-    req.kv.kv_allocated_len = req.kv.kv_committed_len = rows
+    rows = park.retained.n_rows
+    trim_rows(req, rows)
     park.kv = req.detach_kv()
     tokens = engine_probe.logical_tokens(req)[: park.retained.logical_len]
     STATE.scheduler.chains.park(sparse(req).chain.chain_id, tokens, park, rows)
