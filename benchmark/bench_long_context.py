@@ -92,6 +92,8 @@ def variant(name: str, budget: int, prompt_len: int = 32768) -> tuple[str, list[
         "fp8": ["--sparse-method", "fp8", "--page-size", "16"],
         # 2-bit, G = 32, R = 128; a quarter of the pool's bytes stays full-precision slots
         "kivi": ["--sparse-method", "kivi", "--sparse-bits", "2", "--chain-cache", "off"],
+        # 3-bit codes + an fp16 norm per token and head, G = 32, R = 32, same byte split as KIVI
+        "turboquant": ["--sparse-method", "turboquant", "--sparse-bits", "3", "--chain-cache", "off"],
     }[name]
     return ("sglang.launch_server" if name == "plain" else "sglang_sparse.launch_server"), flags
 
@@ -216,17 +218,28 @@ def capacity_batch(name: str, args) -> int:
         # the request being prefilled then holds at most cap + one chunk, not its whole prompt
         held = min(L, cap + chunk) if name in ("h2o", "skipkv") and chunk else L
         return (pool - held) // cap + 1
-    if name == "kivi":  # every request's history in 2-bit blocks (3/4 of the pool's bytes)
-        from sglang_sparse.core.quant_store import QuantizedBlockStore
-        from sglang_sparse.methods.kivi import KIVIConfig
-
-        cfg, c = json.loads((Path(args.model_path) / "config.json").read_text()), KIVIConfig()
+    if name in ("kivi", "turboquant"):  # every history in b-bit blocks (3/4 of the pool's bytes)
+        store, cfg_cls, bits = payload_store(name)
+        cfg, c = json.loads((Path(args.model_path) / "config.json").read_text()), cfg_cls()
         layers, heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
         d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         fp_bytes = 2 * 2 * layers * heads * d  # bf16 K and V of one token
-        blocks = int(pool * fp_bytes * (1 - c.fp_fraction)) // QuantizedBlockStore.block_bytes(layers, heads, d, 2, c.group)
+        blocks = int(pool * fp_bytes * (1 - c.fp_fraction)) // store.block_bytes(layers, heads, d, bits, c.group)
         return blocks // -(-(L + N) // c.group)
     return pool // (L + N)
+
+
+def payload_store(name: str):
+    """(store class, config class, bits) of a payload variant, as ``server_flags`` sets it."""
+    if name == "kivi":
+        from sglang_sparse.core.quant_store import QuantizedBlockStore
+        from sglang_sparse.methods.kivi import KIVIConfig
+
+        return QuantizedBlockStore, KIVIConfig, 2
+    from sglang_sparse.core.turboquant_store import TurboQuantBlockStore
+    from sglang_sparse.methods.turboquant import TurboQuantConfig
+
+    return TurboQuantBlockStore, TurboQuantConfig, 3
 
 
 def kvzip_prefill(prompt_len: int) -> int:

@@ -21,6 +21,10 @@ Held-out text: the *last* tokens of the Paul Graham essays in file-name order (t
 benchmark cuts its haystacks from the start), ``--segments`` segments of ``--length`` tokens.
 
     python benchmark/bench_ppl.py --configs dense turboquant-2bit turboquant-4bit --out ppl_cpu.json
+    python benchmark/bench_ppl.py --configs dense palu@0.5 palu@0.75 --out ppl_palu_cpu.json
+
+Palu changes the K/V of *every* token (its projection is low-rank), not only the stored context:
+its figures include the scored tokens' own low-rank K/V.
 """
 
 from __future__ import annotations

@@ -43,6 +43,9 @@
 #                   (16 / 64 splits), H2O, SkipKV, SnapKV, R-KV (~8 min, est.)
 #   prefill-flash  issue 17: prefill speed (TTFT of one request, 1 output token), 32K and 128K
 #                   prompts, FlashPrefill (threshold 0.9) then dense, 16,384-token chunks (258 s, 2026-12-03)
+#   capacity-turboquant  issue 17: TurboQuant 3-bit vs dense (16 / 64 splits), 196,608-token pool (~8 min, est.)
+#   kernels-quant   KIVI and TurboQuant decode kernels alone (~1 min, est.)
+#   prefill-flash-keepall  FlashPrefill at 1.0 (all blocks) next to dense, 32K and 128K (~6 min, est.)
 #   (each 128K server prefills 4 prompts, ~45 s each, so two servers fill one call)
 # One call holds at most 10 minutes: give stages whose times add up to well under that, e.g.
 #   bash benchmark/gpu/run_all.sh tests-kernels tests-kivi
@@ -190,6 +193,28 @@ for stage in "$@"; do
       timeout 560 python3 benchmark/bench_prefill.py --model-path "$M8" --prompt-len 32768 131072 \
         --variants flashprefill dense --repeats 2 --chunk 16384 --timeout 240 --start-timeout 240 \
         --out "$OUT/prefill_flash_h200.json" -- --cuda-graph-bs-decode 1 2>&1 | tee "$OUT/$stage.txt" ;;
+    capacity-turboquant)  # issue 17: TurboQuant 3-bit next to tuned dense (16 / 64 splits), 196,608-token pool
+      # (the prompt is held in full-precision slots until its last chunk: 1/4 of this pool = 49,152 > 32K)
+      timeout 560 python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 196608 \
+        --prompt-len 32768 --output-len 2048 --methods turboquant dense --tune dense --kv-splits 16 64 \
+        --timeout 240 --out "$OUT/long_capacity_32k_turboquant.json" \
+        -- --cuda-graph-bs-decode 1 2 4 8 16 24 32 2>&1 | tee "$OUT/$stage.txt" ;;
+    capacity-turboquant-rerun)  # after a kernel change: its GPU tests, then TurboQuant and dense at
+      # 16 splits (the best of 16 / 64 in capacity-turboquant: 278.4 / 269.9) at the same pool
+      GPU_TEST_TIMEOUT=100 gpu_tests turboquant-kernel test/test_turboquant_kernel.py
+      timeout 420 python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 196608 \
+        --prompt-len 32768 --output-len 2048 --methods turboquant dense --tune dense --kv-splits 16 \
+        --timeout 240 --out "$OUT/long_capacity_32k_turboquant_rerun.json" \
+        -- --cuda-graph-bs-decode 1 2 4 8 16 24 32 2>&1 | tee "$OUT/$stage.txt" ;;
+    kernels-quant)  # the KIVI and TurboQuant decode kernels alone (bandwidth at the capacity shapes)
+      timeout 150 python3 sgl-kernel-sparse/bench/bench_kernels.py --only kivi turboquant \
+        --out "$OUT/kernels_quant.json" --no-ref 2>&1 | tee "$OUT/$stage.txt" ;;
+    prefill-flash-keepall)  # issue 17: FlashPrefill at threshold 1.0 (every causal block, the same
+      # kernel) next to dense in one run: separates the kernel's speed from sparsity's (0.9: prefill-flash)
+      timeout 450 python3 benchmark/bench_prefill.py --model-path "$M8" --prompt-len 32768 131072 \
+        --variants flashprefill@1.0 dense --repeats 2 --chunk 16384 --timeout 240 \
+        --start-timeout 240 --out "$OUT/prefill_flash_keepall_h200.json" -- --cuda-graph-bs-decode 1 \
+        2>&1 | tee "$OUT/$stage.txt" ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "=== $stage took $((SECONDS - start)) s"

@@ -57,6 +57,30 @@ class SparseMethodRuntime:
     needs_engine_probe = False  # True: the engine must prefill a method-built probe after the prompt
     # True: the adapter fills RequestSlice.token_ids and calls use_vocabulary once at start-up
     reads_tokens = False
+    # True: the model's K/V projections are replaced by the method's (Palu's low-rank factors):
+    # the adapter installs its projection hook after the model loads and calls ``bind_model``
+    projects_kv = False
+    # False: a ``graph_decode`` method whose decode kernel still runs Python (a plain-torch
+    # reference with per-request loops): decode stays eager (no CUDA-graph capture)
+    decode_kernel_graph_safe = True
+
+    @classmethod
+    def prepare_artifacts(cls, config, model_dir: str, argv: list[str], log) -> dict:
+        """In the launcher, before the engine starts: build or find what the method needs from
+        the model (e.g. factors computed from its weights), checking the model-dependent values
+        (raise ``ConfigError`` with a sentence). Returns what the engine's processes need to find
+        them (JSON-able; exported as ``config["artifacts"]``). Default: nothing."""
+        return {}
+
+    @classmethod
+    def projection_factors(cls, config, artifacts: dict, num_layers: int, kv_heads: int, head_dim: int):
+        """``projects_kv`` methods, in the engine once the model is loaded: the factors of the
+        K/V projection (``core.lowrank.PaluFactors``) from what ``prepare_artifacts`` returned."""
+        raise NotImplementedError
+
+    def bind_model(self, info) -> None:
+        """``projects_kv`` methods: what the projection hook took from the loaded model (factors,
+        RoPE table), given once before the first step."""
 
     @classmethod
     def probe_texts(cls, encode) -> dict:
@@ -92,9 +116,9 @@ class SparseMethodRuntime:
     def decode_needs_python(cls) -> bool:
         """Whether decode steps run Python per layer (then the engine cannot replay a captured
         decode graph). False for methods without decode hooks (dense, SnapKV) and for
-        ``graph_decode`` methods."""
+        ``graph_decode`` methods whose decode kernel is graph-safe (``decode_kernel_graph_safe``)."""
         if cls.graph_decode:
-            return False
+            return not cls.decode_kernel_graph_safe
         return any(cls.overrides(h) for h in DECODE_LAYER_HOOKS)
 
     @staticmethod
@@ -135,6 +159,11 @@ class SparseMethodRuntime:
         ``/sparse/stats`` and the ``host_bytes`` gauge; host bytes are never part of
         ``payload_bytes`` (device memory). None: one tier, the device."""
         return None
+
+    def static_bytes(self) -> int:
+        """Device bytes of method state that is not KV and does not grow with requests (Palu's
+        factors); ``/sparse/stats`` reports it as ``method_static_bytes``."""
+        return 0
 
     def payload_bytes_per_token(self) -> float | None:
         """Bytes per token of the method's own representation; None: the engine pool's."""

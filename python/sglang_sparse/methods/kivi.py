@@ -103,7 +103,7 @@ class KIVIRuntime(EvictingRuntime):
         super().__init__(cache, MemoryOracle(retained_budget=cap, row_cap=cap))
         k0, store = cache.store.k_buffer(0), cache.store
         self.check_layout(k0)
-        per_block = self.store_cls.block_bytes(store.num_layers, k0.shape[1], k0.shape[2], c.bits, c.group)
+        per_block = self.block_bytes(store.num_layers, k0.shape[1], k0.shape[2], k0.dtype)
         budget = store.payload_budget_bytes()  # the pool's bytes SGLang left to this store
         if budget is None:  # an engine without the split (the toy engine): as many bytes as its slots
             budget = store.free_count() * store.bytes_per_slot()
@@ -128,6 +128,17 @@ class KIVIRuntime(EvictingRuntime):
     def make_store(self, num_layers: int, kv_heads: int, head_dim: int, num_blocks: int, device):
         c = self.config
         return QuantizedBlockStore(num_layers, kv_heads, head_dim, num_blocks, c.bits, c.group, device)
+
+    def block_bytes(self, num_layers: int, kv_heads: int, head_dim: int, dtype) -> int:
+        """Bytes of one block of the store (``dtype``: the engine pool's KV dtype)."""
+        return self.store_cls.block_bytes(num_layers, kv_heads, head_dim, self.config.bits, self.config.group)
+
+    def write_blocks(self, blocks: list[int], slots: torch.Tensor, start: int) -> None:
+        """Move the pool rows at ``slots`` (``len(blocks) * G`` consecutive tokens from logical
+        position ``start``) into ``blocks``, every layer."""
+        store = self.cache.store
+        for layer in range(store.num_layers):
+            self.blocks.write(layer, blocks, store.k_buffer(layer)[slots], store.v_buffer(layer)[slots])
 
     # -- the store -------------------------------------------------------------------------------
     def payload_bytes_per_token(self) -> float:
@@ -224,15 +235,13 @@ class KIVIRuntime(EvictingRuntime):
         n_groups = (ret.n_rows - c.residual) // c.group
         if n_groups <= 0:
             return None
-        store = self.cache.store
         blocks = self.blocks.alloc(n_groups)
         if blocks is None:
             self.bump(f"{self.name}_store_full")
             return None
         slots = self.cache.resident_slots(rid)[: n_groups * c.group].to(self.table.device)
-        for layer in range(store.num_layers):
-            self.blocks.write(layer, blocks, store.k_buffer(layer)[slots], store.v_buffer(layer)[slots])
         mine = state.metadata.get(self.blocks_key, [])
+        self.write_blocks(blocks, slots, len(mine) * c.group)
         self.table[state.req_row, len(mine): len(mine) + n_groups] = torch.tensor(blocks, dtype=torch.int32)
         mine = state.metadata[self.blocks_key] = mine + blocks  # a new list: a parked copy keeps its own
         self.n_blocks[state.req_row] = len(mine)

@@ -9,14 +9,16 @@ in, the condition, and why. Kinds:
 - ``route``: ``app.add_api_route`` (``target`` = path, ``methods``);
 - ``exception-handler``: ``app.add_exception_handler`` (the handler builds it from SGLang's own);
 - ``module-state``, ``model-rebuild``: a one-time change the handler makes when called;
-- ``subclass``, ``value-swap``, ``attribute``: done inside another patch's handler
-  (``applied_by``); listed so that nothing the extension does to SGLang is unlisted.
+- ``subclass``, ``value-swap``, ``attribute``, ``module-hook`` (a torch forward hook on a module
+  of SGLang's model): done inside another patch's handler (``applied_by``); listed so that nothing
+  the extension does to SGLang is unlisted.
 
 Conditions: ``cpu`` (CPU serving, even for plain ``sglang.launch_server``: SGLang 0.5.23 needs it
 there), ``active`` (a server started by ``sglang_sparse.launch_server``), ``evicting`` (its
 method evicts KV), ``per_layer_rows`` (its method compacts per layer: one flat KV allocation),
 ``payload_pool`` (its method keeps KV in its own store: a share of the pool's bytes),
 ``chain_cache`` (Chain Cache on), ``engine_probe`` (its method prefills a probe after the prompt),
+``projects_kv`` (its method replaces the model's K/V projection: Palu's low-rank factors),
 ``check_integrity``
 (``SGLANG_SPARSE_CHECK_INTEGRITY=1``). Every entry was checked against ``SGLANG_VERSION``.
 ``GET /sparse/info`` lists what each process applied.
@@ -30,7 +32,7 @@ SGLANG_VERSION = "0.5.23"
 
 HOOK_KINDS = ("before", "after", "around")
 CALLED_KINDS = ("module-state", "model-rebuild")  # plugin.load calls the handler once
-LISTED_KINDS = ("subclass", "value-swap", "attribute")  # done by another patch's handler
+LISTED_KINDS = ("subclass", "value-swap", "attribute", "module-hook")  # done by another patch's handler
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class Patch:
     handler: str  # "module:attribute" under sglang_sparse.srt ("" for listed kinds)
     process: str  # "all" | "main" | "scheduler"
     when: str  # "cpu" | "active" | "evicting" | "per_layer_rows" | "payload_pool" | "chain_cache" | "engine_probe"
-    #            | "check_integrity"
+    #            | "projects_kv" | "check_integrity"
     why: str
     methods: tuple[str, ...] = ()  # routes
     applied_by: str = ""  # listed kinds: the patch whose handler does it
@@ -113,6 +115,15 @@ PATCHES: tuple[Patch, ...] = (
           "the same split when the pool is given in tokens (--max-total-tokens)"),
     Patch("hook:extend-rows", "after", f"{BATCH}.prepare_for_extend", "engine.rows:after_prepare_for_extend",
           "scheduler", "active", "an extend after fewer rows than logical tokens: slots move to the real rows"),
+    Patch("hook:latent-projection", "after", f"{S}model_executor.model_runner.ModelRunner.load_model",
+          "engine.projection:after_load_model", "scheduler", "projects_kv",
+          "once the weights are loaded (before the pool, backends and CUDA graphs): load the method's low-rank K/V "
+          "factors and install the qkv_proj forward hooks (engine/projection.py)"),
+    Patch("module-hook:qkv-proj", "module-hook",
+          f"{S}models.llama.LlamaAttention.qkv_proj (any attention with qkv_proj, q_size, kv_size, rotary_emb)", "",
+          "scheduler", "projects_kv",
+          "torch forward hook: the K and V columns of qkv_proj's output replaced by the low-rank reconstruction "
+          "h B (h = x A), before the model's split, RoPE and KV write", applied_by="hook:latent-projection"),
     # -- scheduler: admission by the MemoryOracle (methods that evict) ---------------------------------
     Patch("hook:admission-oracle", "after", f"{SCHED}.get_prefill_adder_class",
           "engine.admission:after_get_prefill_adder_class", "scheduler", "evicting",

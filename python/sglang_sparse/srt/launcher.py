@@ -7,6 +7,11 @@ anything starts. Added defaults, each announced in one log line:
 - no ``--device`` and no GPU: ``--device cpu``;
 - on a CPU without ``--max-total-tokens``: a KV pool sized to the machine (``core.kv_budget``);
 - on a CPU: ``--sleep-on-idle`` (an idle scheduler otherwise busy-polls a core).
+
+Then the method's artifacts (``SparseMethodRuntime.prepare_artifacts``, e.g. Palu's factors,
+computed from the model once and cached next to it) are found or built before SGLang starts, so
+a model-dependent bad value stops the launcher with a sentence too; their paths travel in the
+exported configuration (``config["artifacts"]``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 from sglang_sparse.config import parse_sparse_args
 from sglang_sparse.core import kv_budget
 from sglang_sparse.core.logical_tree import UNSUPPORTED_EVICTION_POLICIES
+from sglang_sparse.core.runtime import SparseMethodRuntime
 from sglang_sparse.default_model import DefaultModelError, ensure_default_model
 from sglang_sparse.registry import ConfigError, build_config, get_method
 from sglang_sparse.srt import activation
@@ -167,10 +173,10 @@ def sparse_config(argv: list[str], log=logger.info) -> tuple[dict, list[str]]:
             "(pass --disable-radix-cache to turn it off)")
     if _serves_on_gpu(given) and not given.disable_cuda_graph:
         if runtime.decode_needs_python():
-            # Per-layer Python hooks between kernels: a captured graph would replay the first
-            # step's selection forever.
+            # Per-layer Python hooks between kernels (or a decode kernel that is a Python
+            # reference): a captured graph would replay the first step's selection forever.
             argv.append("--disable-cuda-graph")
-            log(f"sglang_sparse: {config['method']} selects per step in Python; added --disable-cuda-graph")
+            log(f"sglang_sparse: {config['method']} runs Python in decode; added --disable-cuda-graph")
         elif (runtime.has_layer_hooks() or prefill) and given.cuda_graph_backend_prefill is None:
             # Decode graphs stay (decode runs no Python per layer); prefill hooks do.
             argv += ["--cuda-graph-backend-prefill", "disabled"]
@@ -276,12 +282,26 @@ def _page_size(config: dict, runtime, argv: list[str], given, log) -> list[str]:
     return argv
 
 
+def method_artifacts(config: dict, argv: list[str], log=logger.info) -> dict:
+    """What the method builds from the model before SGLang starts (``prepare_artifacts``: Palu's
+    factors), with the model-dependent checks; argv is complete (the model path is known).
+    Raises ConfigError with a sentence."""
+    runtime = get_method(config["method"]).runtime_cls
+    if runtime.prepare_artifacts.__func__ is SparseMethodRuntime.prepare_artifacts.__func__:
+        return {}
+    model_path = _given_flags(argv).model_path
+    return runtime.prepare_artifacts(build_config(config["method"], config["options"]), model_path, argv, log)
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         config, argv = sparse_config(argv)
         argv = complete_argv(argv)
+        artifacts = method_artifacts(config, argv)
+        if artifacts:
+            config["artifacts"] = artifacts
     except (ConfigError, DefaultModelError) as err:
         sys.exit(f"sglang_sparse: error: {err}")
     activation.export_config(config)

@@ -73,6 +73,9 @@ class SchedulerState:
     flat_kv: torch.Tensor | None = None
     # methods with their own KV store: the pool bytes SGLang left them (engine/payload_pool.py)
     payload_budget_bytes: int | None = None
+    # ``projects_kv`` methods: the factors and RoPE table the projection hook took from the
+    # loaded model (engine/projection.py), handed to the runtime's ``bind_model``
+    model_info: Any = None
 
 
 @dataclass

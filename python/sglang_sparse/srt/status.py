@@ -66,6 +66,8 @@ def scheduler_stats(scheduler) -> dict | None:
         "kv_bytes_total": total * per_slot + own_total,
         "kv_bytes_used": (total - free) * per_slot + own_used,
         **host,
+        # method state that is not KV (Palu's factors): reported apart, never in kv_bytes_*
+        "method_static_bytes": runtime.static_bytes(),
         # everything resident: running requests, the radix tree, idle chains (split in by_owner)
         "logical_tokens": logical,
         "retained_tokens": retained,

@@ -25,11 +25,11 @@ With S > 1 each program writes its normalized partials (``[o_h, o_r]``, 2*D wide
 log-sum-exp, merged by ``triton_decode._decode_reduce_kernel`` (the merge is linear, so the two
 halves merge as one row of 2*D).
 
-The centroid of a code is a gather from the 2**b-entry fp32 codebook (a few bytes, cache
-resident). Status: equal to the reference under the Triton interpreter (``test/
-test_turboquant_kernel.py``) and compiled for sm_90 without spills (``bench/compile_report.py
---groups quant``); not yet run on a GPU (its ``-m gpu`` tests and ``bench_kernels.py --only
-turboquant`` are ready).
+The centroid of a code comes from a select chain over the 2**b fp32 codebook scalars
+(``_centroids``; a per-element gather ran at ~3% of HBM on the H200); the norms scale the logits'
+columns and the probabilities, not every coordinate. Status: equal to the reference under the Triton interpreter (``test/
+test_turboquant_kernel.py``) and on the H200 (``-m gpu`` cases of the same file); speed:
+``bench_kernels.py --only turboquant``.
 """
 
 from __future__ import annotations
@@ -68,6 +68,19 @@ def _codes_tile(CODES, row, ok, BITS: tl.constexpr, PACKED: tl.constexpr, BLOCK_
     lane = tl.arange(0, 8) * BITS        # the sign bits an arithmetic shift brings in
     code = (word[:, :, None] >> lane[None, None, :]) & ((1 << BITS) - 1)
     return tl.reshape(code, (BLOCK_N, BLOCK_D))
+
+
+@triton.jit
+def _centroids(CB, code, BITS: tl.constexpr):
+    """``CB[code]`` for a tile of codes, as a select chain over the ``2**BITS`` scalars of the
+    codebook instead of a per-element gather (on the H200 the gather made the kernel run at ~3%
+    of HBM, 2026-12-03: ``kernels_quant_issue17.json``)."""
+    if BITS >= 4:  # a 16-way chain measured slower than the gather (7.0 vs 4.8 ms, same file)
+        return tl.load(CB + code)
+    out = tl.zeros(code.shape, dtype=tl.float32)
+    for i in tl.static_range(1 << BITS):
+        out = tl.where(code == i, tl.load(CB + i), out)
+    return out
 
 
 @triton.jit
@@ -131,14 +144,15 @@ def _turboquant_decode_kernel(
         cmask = ok[:, None] & dmask[None, :]
         kn = tl.load(KN + blk * s_knb + kvh * s_knh + t * s_knt, mask=ok, other=0.0).to(tl.float32)
         code = _codes_tile(KC, blk * s_kcb + kvh * s_kch + t * s_kct, ok, KBITS, D * KBITS // 8, BLOCK_N, BLOCK_D)
-        k = tl.load(KCB + code, mask=cmask, other=0.0) * kn[:, None]  # rotated keys [BLOCK_N, BLOCK_D]
-        logit = tl.dot(qrd, tl.trans(k.to(DT)), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
+        k = tl.where(cmask, _centroids(KCB, code, KBITS), 0.0)  # rotated unit keys [BLOCK_N, BLOCK_D]
+        # the norm scales the logit's column (one multiply per token, not per coordinate)
+        logit = tl.dot(qrd, tl.trans(k.to(DT)), input_precision=PRECISION) * kn[None, :]
         logit = tl.where(ok[None, :], logit, -float("inf"))
         p, m_i, l_i, acc_h, acc_r = _online_step(logit, m_i, l_i, acc_h, acc_r)
         vn = tl.load(VN + blk * s_vnb + kvh * s_vnh + t * s_vnt, mask=ok, other=0.0).to(tl.float32)
         code = _codes_tile(VC, blk * s_vcb + kvh * s_vch + t * s_vct, ok, VBITS, D * VBITS // 8, BLOCK_N, BLOCK_D)
-        v = tl.load(VCB + code, mask=cmask, other=0.0) * vn[:, None]  # rotated values
-        acc_h += tl.dot(p.to(DT), v.to(DT), input_precision=PRECISION)
+        v = tl.where(cmask, _centroids(VCB, code, VBITS), 0.0)  # rotated unit values
+        acc_h += tl.dot((p * vn[None, :]).to(DT), v.to(DT), input_precision=PRECISION)
 
     # 2. full-precision residual rows of the token-major pool
     rl = tl.load(RES_LEN + b).to(tl.int32)

@@ -30,6 +30,11 @@ def ensure_controller(model_runner) -> SparseController:
         store = SGLangKVStore(model_runner)
         kv_heads = model_runner.token_to_kv_pool.head_num
         runtime = spec.runtime_cls(CacheManager(store, kv_heads), build_config(method, config.get("options")))
+        if runtime.projects_kv:
+            if st.model_info is None:
+                raise RuntimeError(f"--sparse-method {method} projects K/V but its model hook did not run "
+                                   "(engine/projection.py)")
+            runtime.bind_model(st.model_info)
         if runtime.reads_tokens:
             texts = token_texts(model_runner)
             if texts is not None:
