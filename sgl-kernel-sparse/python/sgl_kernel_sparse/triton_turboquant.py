@@ -74,9 +74,9 @@ def _codes_tile(CODES, row, ok, BITS: tl.constexpr, PACKED: tl.constexpr, BLOCK_
 def _centroids(CB, code, BITS: tl.constexpr):
     """``CB[code]`` for a tile of codes, as a select chain over the ``2**BITS`` scalars of the
     codebook instead of a per-element gather (on the H200 the gather made the kernel run at ~3%
-    of HBM, 2026-12-03: ``kernels_quant_issue17.json``)."""
-    if BITS >= 4:  # a 16-way chain measured slower than the gather (7.0 vs 4.8 ms, same file)
-        return tl.load(CB + code)
+    of HBM, 2026-12-03: ``kernels_quant_issue17.json``). At 4 bits the 16-way chain is slower than
+the old gather (7.0 vs 4.8 ms at batch 22, 32K), but a gather inside this kernel's new form took
+15.5 ms (``kernels_quant_issue17_gather4.json``), so every width takes the chain."""
     out = tl.zeros(code.shape, dtype=tl.float32)
     for i in tl.static_range(1 << BITS):
         out = tl.where(code == i, tl.load(CB + i), out)
