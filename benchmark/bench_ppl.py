@@ -89,7 +89,9 @@ def main() -> None:
     results: dict[str, dict] = {}
     for name in args.configs:
         t0 = time.monotonic()
-        scale = 4 if "--sparse-bits" in CONFIGS[name] else 1  # as bench_niah: the same full-precision slots
+        # payload methods (KIVI's pool split): 4x the pool, so their full-precision slots (a quarter)
+        # hold what dense's pool holds; as bench_niah
+        scale = 4 if {"--sparse-bits", "--sparse-ratio"} & set(CONFIGS[name]) else 1
         flags = CONFIGS[name] + ["--max-total-tokens", str(scale * pool), "--log-level", "warning"]
         with ServerProcess(flags) as srv:
             scored = [score_segment(srv.base_url, seg, args.context) for seg in segments]
