@@ -71,6 +71,24 @@ def sparse_stats(server) -> dict:
     return requests.get(server.base_url + "/sparse/stats", timeout=60).json()
 
 
+def distinct_burst(server, k: int, length: int, n: int) -> list:
+    """``k`` requests of ``length`` distinct token ids each (no shared prefix) sent at once, each
+    generating exactly ``n`` greedy tokens; asserts every one got them, returns the responses."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import requests
+
+    def one(i):
+        ids = [1000 + (37 * i + 11 * j) % 20000 for j in range(length)]
+        return requests.post(server.base_url + "/generate", timeout=1800, json={
+            "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}})
+
+    with ThreadPoolExecutor(k) as pool:
+        outs = list(pool.map(one, range(k)))
+    assert all(r.status_code == 200 and len(r.json()["output_ids"]) == n for r in outs), outs[0].text
+    return outs
+
+
 def hf_argmax(model, ids, n):
     """Greedy decoding by argmax (end-of-text tokens included, as ``ignore_eos`` serves them;
     ``generate`` with ``min_new_tokens`` would suppress them)."""

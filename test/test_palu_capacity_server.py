@@ -13,12 +13,10 @@ can make true at rank 16 < 64)."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 import requests
 
-from conftest import start_server
+from conftest import distinct_burst, sparse_stats as stats, start_server
 
 POOL, L, N, K = 2048, 300, 8, 10
 ARGS = ["--max-total-tokens", str(POOL), "--chunked-prefill-size", "512", "--log-level", "warning",
@@ -32,10 +30,6 @@ def server(request, default_model_dir):
     return start_server(ARGS, request)
 
 
-def stats(server) -> dict:
-    return requests.get(server.base_url + "/sparse/stats", timeout=60).json()
-
-
 def test_ten_requests_where_dense_holds_six(server):
     idle = stats(server)
     assert idle["kv_bytes_per_token"] == LAYERS * 2 * KV_HEADS * 16 * 2 == 5760  # rank 16, fp16 latents
@@ -43,15 +37,7 @@ def test_ten_requests_where_dense_holds_six(server):
     assert K > POOL // L  # dense: not even the prompts fit together
     assert idle["kv_total_slots"] == POOL // 2 and idle["peak_running_requests"] <= 1
     assert idle["method_static_bytes"] > 0  # the factors: not KV, reported apart
-
-    def one(i):
-        ids = [1000 + (37 * i + 11 * j) % 20000 for j in range(L)]
-        return requests.post(server.base_url + "/generate", timeout=1800, json={
-            "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": N, "ignore_eos": True}})
-
-    with ThreadPoolExecutor(K) as pool:
-        outs = list(pool.map(one, range(K)))
-    assert all(r.status_code == 200 and len(r.json()["output_ids"]) == N for r in outs), outs[0].text
+    distinct_burst(server, K, L, N)
     after = stats(server)
     assert after["peak_running_requests"] == K
     assert after["counters"]["palu_blocks_written"] >= K * ((L - 32) // 32)
