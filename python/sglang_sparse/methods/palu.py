@@ -59,7 +59,12 @@ Not built (the paper has them): Palu's Fisher-information rank search (ranks are
 latent quantization with the Walsh-Hadamard transform, folding ``B_v`` into ``W_o`` (the layer
 must hand per-head V to ``o_proj``), a fused GPU decode kernel over latents (reconstruction in
 registers), and calibration on text the default model generates itself (the essay slice is used);
-models with a per-head ``k_norm`` (Qwen3) and tensor parallelism are refused with a sentence.
+tensor parallelism is refused with a sentence. Models with a per-head ``k_norm`` between the
+projection and RoPE (Qwen3) run with per-head factors only (``head_group 1``; the norm's weight is
+folded into the keys' B for the store, ``PaluFactors.with_key_gain``, since ``gain * (h B) /
+rms`` lies in the span of ``B diag(gain)``). With ``--load-format dummy`` (no checkpoint; the GPU
+benchmarks) the factors are a plain SVD of the weights SGLang initialised, computed by the
+projection hook once they are loaded (``--sparse-whiten off`` required).
 The low-rank hook changes the model's K/V for every token (Palu's design), so outputs differ
 from dense whenever ``ratio > 0``; the recent tokens' K/V are low-rank too even though they are
 stored in full precision.
@@ -93,7 +98,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_sparse.core.latent_store import PaluLatentStore
-from sglang_sparse.core.lowrank import LatentModel, PaluFactors, ranks_for_ratio
+from sglang_sparse.core.lowrank import LatentModel, PaluFactors, full_factors, ranks_for_ratio
 from sglang_sparse.methods.kivi import KIVIRuntime, check_fp_fraction
 from sglang_sparse.registry import ConfigError, check_range, register_method
 
@@ -179,13 +184,19 @@ class PaluRuntime(KIVIRuntime):
 
     @classmethod
     def projection_factors(cls, config, artifacts: dict, num_layers: int, kv_heads: int,
-                           head_dim: int) -> PaluFactors:
-        """The cached full-rank factors (``artifacts["palu_factors"]``) cut to this ratio's rank."""
+                           head_dim: int, loaded_kv=None) -> PaluFactors:
+        """The cached full-rank factors (``artifacts["palu_factors"]``) cut to this ratio's rank;
+        with ``--load-format dummy`` (``artifacts.LOADED_WEIGHTS``) a plain SVD of the loaded
+        weights, ``loaded_kv()`` = ``[(W_k, W_v)]`` per layer, on their device."""
         from sglang_sparse import artifacts as store
 
         if "palu_factors" not in artifacts:
             raise RuntimeError("--sparse-method palu needs its factors, which sglang_sparse.launch_server prepares "
                                "(no palu_factors in the exported configuration)")
         rank, _ = ranks_for_ratio(config.ratio, kv_heads, head_dim, config.head_group)
-        return PaluFactors.from_full(store.load_palu(artifacts["palu_factors"], num_layers), rank,
-                                     config.head_group, head_dim)
+        if artifacts["palu_factors"] == store.LOADED_WEIGHTS:
+            layers = [{k: t.cpu() for k, t in full_factors(wk, wv, None, config.head_group, head_dim).items()}
+                      for wk, wv in loaded_kv()]
+        else:
+            layers = store.load_palu(artifacts["palu_factors"], num_layers)
+        return PaluFactors.from_full(layers, rank, config.head_group, head_dim)

@@ -22,7 +22,8 @@ Life of a chain's KV (``core.chain_index`` holds the records; ``cache/radix.py``
   its P rows stand for N tokens (``req.sparse.start_offset = N - P``, ``engine/rows.py``).
 - an aborted, cancelled or retracted request invalidates its chain (an abort at once, when it
   arrives); idle chains are reclaimed least recently used when a waiting request does not fit
-  (``reclaim_for``); a continuation the pool can never hold gets 503.
+  (``reclaim_for``); a continuation the server can never take (its tokens reach SGLang's maximum
+  input length, or its rows + suffix + output exceed the pool) gets 400 and the chain stays idle.
 
 SGLang sessions (``/open_session``, ``session_params``) are chains named ``session-<id>``.
 Admin operations on chains are ``admin/ops.ChainDelete`` (``delete``).
@@ -33,8 +34,8 @@ from __future__ import annotations
 import copy
 from http import HTTPStatus
 
-from sglang_sparse.core.chain_index import (ChainBusy, ChainCacheIndex, ChainError, ChainStatus, NoChainCapacity,
-                                             fingerprint)
+from sglang_sparse.core.chain_index import (ChainBusy, ChainCacheIndex, ChainError, ChainStatus,
+                                             ContinuationTooLarge, fingerprint)
 from sglang_sparse.srt.chains.records import Parked, Pinned, ReqChain
 from sglang_sparse.srt.engine import probe as engine_probe
 from sglang_sparse.srt.engine.admission import store_claims
@@ -88,13 +89,14 @@ def after_create_req(req, scheduler, recv_req, *args, **kwargs):
     probe_len = None
     try:
         if chain_id is None and session is not None:
-            sparse(req).chain = _session_chain(idx, session, req)
+            sparse(req).chain = _session_chain(idx, session, req, scheduler)
         elif chain_id is None:
             sparse(req).chain = ReqChain(idx.start(STATE.scheduler.chain_fingerprint).chain_id, "created", 0)
         else:
             rec = idx.check_continuation(str(chain_id), STATE.scheduler.chain_fingerprint, list(req.origin_input_ids))
             ctl = STATE.scheduler.controller
             probe_len = engine_probe.rebase(req, rec.boundary, scheduler, ctl.runtime)  # KVzip
+            _check_length(scheduler, rec, req)
             _check_capacity(scheduler, rec, req)
             tokens = list(req.origin_input_ids)  # (a probe after the context: the prefix checked is the same)
             rec = idx.resume(str(chain_id), STATE.scheduler.chain_fingerprint, tokens)  # checks again: cheap
@@ -102,6 +104,11 @@ def after_create_req(req, scheduler, recv_req, *args, **kwargs):
     except ChainError as err:
         engine_probe.drop(req)
         req.set_finish_with_abort(err.message, status_code=HTTPStatus(err.status), err_type=type(err).__name__)
+        if isinstance(err, ContinuationTooLarge):
+            # SGLang's own length check runs after this hook and would put its sentence (which
+            # suggests --allow-auto-truncate, wrong for a chain) in place of ours; the aborted
+            # request's 1-token prefill needs no more than its first token
+            req.origin_input_ids = req.origin_input_ids[:1]  # (same type: SGLang adds output_ids to it)
         # SGLang finishes an aborted request through a 1-token prefill, admitted like any other:
         # its output reservation must not keep it waiting (a 503 is about exactly that)
         req.sampling_params.max_new_tokens = 1
@@ -120,13 +127,28 @@ def _reused(rec) -> int:
     return min(rec.boundary, rec.payload.tokens) if isinstance(rec.payload, Pinned) else rec.boundary
 
 
+def _check_length(scheduler, rec, req) -> None:
+    """400 for a continuation longer than SGLang takes in one request (``max_req_input_len``,
+    from the context length and the pool): its logical tokens are the chain's history + the new
+    suffix, even though only the chain's kept rows are resident (the positions and SGLang's
+    request row are logical). Checked here, before SGLang's own length check aborts it with the
+    chain already lent, so the chain stays idle and usable."""
+    limit = getattr(scheduler, "max_req_input_len", None)
+    n = len(req.origin_input_ids)
+    if limit is not None and n >= int(limit):
+        raise ContinuationTooLarge(
+            f"input_ids: the continuation of chain {rec.chain_id} has {n} tokens ({rec.boundary} from the chain, "
+            f"{n - rec.boundary} new) and this server takes fewer than {int(limit)} per request (its context "
+            f"length and KV pool); the chain stays idle: send a shorter suffix or start a new chain")
+
+
 def _check_capacity(scheduler, rec, req) -> None:
-    """503 for a continuation the KV pool can never hold (its chain's rows + the new suffix + the
+    """400 for a continuation the KV pool can never hold (its chain's rows + the new suffix + the
     output it asks for), even with every other chain reclaimed; the chain stays idle."""
     need = rec.rows + len(req.origin_input_ids) - rec.boundary + (req.sampling_params.max_new_tokens or 0)
     total = int(scheduler.max_total_num_tokens)
     if need > total:
-        raise NoChainCapacity(f"chain {rec.chain_id}: the continuation needs {need} KV slots ({rec.rows} kept, "
+        raise ContinuationTooLarge(f"input_ids, max_new_tokens: chain {rec.chain_id}: the continuation needs {need} KV slots ({rec.rows} kept, "
                               f"{len(req.origin_input_ids) - rec.boundary} new, {req.sampling_params.max_new_tokens} "
                               f"to generate) and the pool has {total}")
 
@@ -135,7 +157,7 @@ def session_chain_id(session_id: str) -> str:
     return f"session-{session_id}"
 
 
-def _session_chain(idx: ChainCacheIndex, session, req) -> ReqChain:
+def _session_chain(idx: ChainCacheIndex, session, req, scheduler) -> ReqChain:
     """An SGLang session is a chain named after it. SGLang builds a session request as the
     previous prompt + output + new input, which extends the chain; when it does not (``offset``,
     ``replace``, ``drop_previous_output``) the session's chain starts over, as a plain session
@@ -143,6 +165,7 @@ def _session_chain(idx: ChainCacheIndex, session, req) -> ReqChain:
     cid = session_chain_id(session.session_id)
     rec = idx.chains.get(cid)
     if rec is not None and rec.status is ChainStatus.IDLE:
+        _check_length(scheduler, rec, req)  # 400 before the chain is lent (SGLang checks later)
         try:
             rec = idx.resume(cid, STATE.scheduler.chain_fingerprint, list(req.origin_input_ids))
             return ReqChain(cid, "resumed", _reused(rec), rec.payload)

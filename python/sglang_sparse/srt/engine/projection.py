@@ -15,7 +15,9 @@ method later moves into its store lie exactly in the span of B (``core/latent_st
 The factors come from the method (``projection_factors``: Palu reads the file the launcher
 prepared, ``config["artifacts"]``, and cuts it to the configured rank); the runtime gets them with
 the model's RoPE table through ``STATE.scheduler.model_info`` (``controller.ensure_controller`` calls
-``bind_model``). Attention modules with a per-head ``k_norm`` and tensor parallelism are refused.
+``bind_model``). A per-head ``k_norm`` between the projection and RoPE (Qwen3,
+``forward_prepare_native``) is allowed with per-head factors: the runtime gets factors whose keys
+carry its weight (``PaluFactors.with_key_gain``); tensor parallelism is refused.
 """
 
 from __future__ import annotations
@@ -72,15 +74,17 @@ def after_load_model(result, model_runner, *args, **kwargs):
                            f"rotary_emb in {type(model_runner.model).__name__}; the projection hook cannot be "
                            "installed")
     for m in attns:
-        if getattr(m, "k_norm", None) is not None:
-            raise RuntimeError(f"--sparse-method {method} does not support {type(m).__name__} (a per-head k_norm "
-                               "between the projection and RoPE)")
         if getattr(m.qkv_proj, "tp_size", 1) != 1:
             raise RuntimeError(f"--sparse-method {method} does not support tensor parallelism")
     first = attns[0]
     head_dim = first.kv_size // first.num_kv_heads
+
+    def loaded_kv():  # [(W_k, W_v)] of every layer: the weights SGLang loaded (--load-format dummy)
+        return [(m.qkv_proj.weight[m.q_size: m.q_size + m.kv_size].detach(),
+                 m.qkv_proj.weight[m.q_size + m.kv_size: m.q_size + 2 * m.kv_size].detach()) for m in attns]
+
     factors = runtime_cls.projection_factors(cfg, config.get("artifacts") or {}, len(attns), first.num_kv_heads,
-                                             head_dim)
+                                             head_dim, loaded_kv)
     device = next(model_runner.model.parameters()).device
     for i, m in enumerate(attns):
         if m.attn.layer_id != i:
@@ -97,6 +101,13 @@ def after_load_model(result, model_runner, *args, **kwargs):
             factors.block_diag(i, "v").to(device, dt), None if bias_k is None else bias_k.to(device, dt),
             None if bias_v is None else bias_v.to(device, dt))
         m.qkv_proj.register_forward_hook(hook)
+    norms = [getattr(m, "k_norm", None) for m in attns]
+    if any(n is not None for n in norms):
+        if factors.head_group != 1 or any(n is None or getattr(n, "weight", None) is None for n in norms) \
+                or any(b is not None for b in factors.bias_k):  # a bias before the norm leaves the span
+            raise RuntimeError(f"--sparse-method {method}: a per-head k_norm needs per-head factors (--sparse-head-group "
+                               "1) in every layer and no K bias")
+        factors = factors.with_key_gain([n.weight.detach().float().cpu() for n in norms])  # what the pool holds
     rope = first.rotary_emb
     STATE.scheduler.model_info = LatentModel(factors, RopeTable(rope.cos_sin_cache.detach().float(),
                                                                 bool(rope.is_neox_style)))
