@@ -212,3 +212,19 @@ def test_palu_decodes_eagerly_on_a_gpu(monkeypatch):
     assert "--disable-cuda-graph" in argv and config["chain_cache"] is True and config["unit_cache"] is True
     _, argv = sparse_config(["--device", "cuda", "--sparse-method", "turboquant"], log=lambda m: None)
     assert "--disable-cuda-graph" not in argv
+
+
+def test_in_place_weight_updates_are_refused(server, default_model_dir):
+    """The factors come from the starting weights: an update would leave them stale (400), and the
+    server goes on serving."""
+    r = requests.post(server.base_url + "/update_weights_from_disk", json={"model_path": str(default_model_dir)},
+                      timeout=120)
+    assert r.status_code == 400, r.text
+    assert r.json()["message"].startswith("model_path: in-place weight updates are not supported with "
+                                          "--sparse-method palu"), r.text
+    r = requests.post(server.base_url + "/update_weights_from_tensor",
+                      json={"serialized_named_tensors": [], "flush_cache": False}, timeout=120)
+    assert r.status_code == 400 and "weights: in-place weight updates" in r.text, r.text
+    out = requests.post(server.base_url + "/generate", timeout=120,
+                        json={"text": "Hello", "sampling_params": {"max_new_tokens": 2}})
+    assert out.status_code == 200, out.text

@@ -87,6 +87,9 @@ server, so this is the uniform-rank factorisation on a 135M model, not the runti
 perplexity (``palu@0.5`` / ``palu@0.75`` in ``benchmark/bench_niah.py`` / ``bench_ppl.py``) have not
 been run.
 
+In-place weight updates (``/update_weights_from_disk``, ``_from_tensor``, ``_from_distributed``,
+``_from_ipc``) answer 400 (``srt/api/weights.py``): the factors come from the starting weights.
+
 Counters (``/sparse/stats``): ``palu_blocks_written``, ``palu_store_full``, ``palu_residual_ppm_max``;
 ``method_static_bytes`` reports the factors the store holds (not KV).
 """
