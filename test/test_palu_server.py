@@ -202,16 +202,18 @@ def test_the_launcher_stops_before_sglang_starts(tmp_path, monkeypatch):
     assert str(err.value) == "sglang_sparse: error: head_group=2 must divide the model's 3 KV heads"
 
 
-def test_palu_decodes_eagerly_on_a_gpu(monkeypatch):
-    """No GPU kernel yet: the launcher turns CUDA graphs off through the runtime's capability."""
+def test_cuda_graphs_follow_the_decode_kernel_on_a_gpu(monkeypatch):
+    """Palu decodes through ``triton_palu`` on CUDA (no host sync): CUDA graphs stay on; a runtime
+    whose decode kernel is not graph-safe gets ``--disable-cuda-graph`` from the launcher."""
+    from sglang_sparse.methods.palu import PaluRuntime
     from sglang_sparse.srt.launcher import sparse_config
 
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    lines = []
-    config, argv = sparse_config(["--device", "cuda", "--sparse-method", "palu"], log=lines.append)
-    assert "--disable-cuda-graph" in argv and config["chain_cache"] is True and config["unit_cache"] is True
-    _, argv = sparse_config(["--device", "cuda", "--sparse-method", "turboquant"], log=lambda m: None)
-    assert "--disable-cuda-graph" not in argv
+    config, argv = sparse_config(["--device", "cuda", "--sparse-method", "palu"], log=lambda m: None)
+    assert "--disable-cuda-graph" not in argv and config["chain_cache"] is True and config["unit_cache"] is True
+    monkeypatch.setattr(PaluRuntime, "decode_kernel_graph_safe", False)
+    _, argv = sparse_config(["--device", "cuda", "--sparse-method", "palu"], log=lambda m: None)
+    assert "--disable-cuda-graph" in argv
 
 
 def test_in_place_weight_updates_are_refused(server, default_model_dir):

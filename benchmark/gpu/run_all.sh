@@ -45,7 +45,7 @@
 #                   prompts, FlashPrefill (threshold 0.9) then dense, 16,384-token chunks (258 s, 2026-12-03)
 #   capacity-turboquant  issue 17: TurboQuant 3-bit vs dense (16 / 64 splits), 196,608-token pool (~8 min, est.)
 #   kernels-quant   KIVI and TurboQuant decode kernels alone (~1 min, est.)
-#   capacity-palu   issue 17: Palu tests on the GPU, then Palu (ratio 0.5) vs dense (16 / 64 splits), 196,608-token pool (~9 min, est.)
+#   capacity-palu   issue 17: Palu kernel tests and timing on the GPU, then Palu (ratio 0.5) vs dense (16 / 64 splits), 196,608-token pool (~9 min, est.)
 #   prefill-flash-keepall  FlashPrefill at 1.0 (all blocks) next to dense, 32K and 128K (~6 min, est.)
 #   (each 128K server prefills 4 prompts, ~45 s each, so two servers fill one call)
 # One call holds at most 10 minutes: give stages whose times add up to well under that, e.g.
@@ -209,8 +209,10 @@ for stage in "$@"; do
         -- --cuda-graph-bs-decode 1 2 4 8 16 24 32 2>&1 | tee "$OUT/$stage.txt" ;;
     capacity-palu)  # issue 17: Palu's GPU tests (kernel, Qwen3 k_norm), then Palu at ratio 0.5 next to
       # tuned dense (16 / 64 splits) at the TurboQuant stage's pool and shapes
-      GPU_TEST_TIMEOUT=100 gpu_tests palu-kernel test/test_palu_kernel.py
-      timeout 440 python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 196608 \
+      GPU_TEST_TIMEOUT=90 gpu_tests palu-kernel test/test_palu_kernel.py
+      timeout 60 python3 sgl-kernel-sparse/bench/bench_kernels.py --only palu --out "$OUT/kernels_palu.json" \
+        --no-ref 2>&1 | tee "$OUT/kernels_palu.txt"
+      timeout 400 python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 196608 \
         --prompt-len 32768 --output-len 2048 --methods palu dense --tune dense --kv-splits 16 64 \
         --timeout 240 --out "$OUT/long_capacity_32k_palu.json" \
         -- --cuda-graph-bs-decode 1 2 4 8 16 24 32 2>&1 | tee "$OUT/$stage.txt" ;;

@@ -46,7 +46,8 @@ def parse_args():
     ap.add_argument("--no-ref", action="store_true", help="do not time the torch references")
     ap.add_argument("--no-flush", action="store_true", help="keep L2 warm between calls")
     ap.add_argument("--only", nargs="*", default=None,
-                    help="case groups to run (decode quest snapkv compact kivi turboquant cells omnikv; default all)")
+                    help="case groups to run (decode quest snapkv compact kivi turboquant palu cells omnikv; "
+                         "default all)")
     return ap.parse_args()
 
 
@@ -272,6 +273,50 @@ def turboquant_cases(dtype, quick, sweep, T, R, g):
                            ref=None if b > 1 or cfg else (lambda args=args: TQ.turboquant_decode_attention(*args)))
 
 
+def palu_cases(dtype, quick, sweep, T, R, g):
+    """Palu decode (``triton_palu``) at ratio 0.5 per head (g 1: r = D/2 = 64, 8 latent groups),
+    KIVI's shape (32K tokens of history in blocks of G = 32 plus a full-precision residual window).
+    Bytes: latents (K and V, in the pool dtype), residual rows, factors (fp32, counted once), the
+    tables, q and the output; not the RoPE table's rows (fp32, shared by every request and head:
+    L2 serves most of them), so GB/s is what the method's own data asks of HBM."""
+    import triton
+
+    from sgl_kernel_sparse import palu as P
+    from sgl_kernel_sparse.triton_kivi import plan_kivi_splits
+    from sgl_kernel_sparse.triton_palu import palu_decode_attention
+
+    G, res, ctx, rank = SIZES["kivi_group"], SIZES["kivi_res"], SIZES["ctx"], D // 2
+    nb = (ctx - res) // G
+    inv = 10000.0 ** (-torch.arange(0, D, 2, device=DEVICE, dtype=torch.float32) / D)
+    ang = torch.arange(nb * G, device=DEVICE, dtype=torch.float32)[:, None] * inv[None, :]
+    cos_sin = torch.cat([ang.cos(), ang.sin()], dim=-1)  # [positions, D]
+    bk, bv = (torch.randn(HKV, rank, D, generator=g, device=DEVICE) / rank**0.5 for _ in range(2))
+    for b in SIZES["kivi_batches"][-1:] if quick else SIZES["kivi_batches"]:
+        lat_k, lat_v = (torch.randn(b * nb, HKV, G, rank, generator=g, device=DEVICE).to(dtype) for _ in range(2))
+        table = torch.randperm(b * nb, generator=g, device=DEVICE).view(b, nb).int()
+        k, v = kv_pool(b * res, dtype, g)
+        r2t = req_table(b, res, b * res, g)
+        req = torch.arange(b, device=DEVICE, dtype=torch.int32)
+        n_blocks = torch.full((b,), nb, dtype=torch.int32, device=DEVICE)
+        res_len = torch.full((b,), res, dtype=torch.int32, device=DEVICE)
+        q = torch.randn(b, HQ, D, generator=g, device=DEVICE).to(dtype)
+        splits = plan_kivi_splits(b * HKV, triton.cdiv(nb * G, 32), q.device)
+        moved = (nbytes(lat_k, lat_v, bk, bv) + b * nb * 4 + 2 * b * res * HKV * D * k.element_size()
+                 + b * res * 4 + 2 * nbytes(q) + splits_bytes(b, splits))
+        args = (q, lat_k, lat_v, bk, bv, None, None, cos_sin, True, table, req, n_blocks, k, v, r2t, res_len)
+        configs = [dict()]
+        if sweep and b > 1:  # dot operand dtype, warps, token tile, splits
+            configs += [dict(dot16=False), dict(num_warps=4), dict(block_n=64), dict(block_n=16),
+                        dict(num_splits=2 * splits)]
+        for cfg in configs:
+            s_cfg = cfg.get("num_splits", splits)
+            yield dict(kernel="palu_decode_attention", shape=f"B={b} r={rank} ctx={ctx} G={G}",
+                       config=f"{cfg or 'auto'} S={s_cfg}",
+                       bytes=moved - splits_bytes(b, splits) + splits_bytes(b, s_cfg),
+                       run=lambda args=args, cfg=cfg: palu_decode_attention(*args, **cfg),
+                       ref=None if b > 1 or cfg else (lambda args=args: P.palu_decode_attention(*args)))
+
+
 def cells_cases(dtype, quick, T, R, g):
     """PyramidKV decode over per-layer cells (``triton_cells``): layer 1 of two, each request
     with ``cells_rows`` packed rows in that layer (scattered over the layer's part of the flat
@@ -348,6 +393,7 @@ def main() -> int:
               "compact": lambda: compact_cases(dtype, args.quick, T, R, g),
               "kivi": lambda: kivi_cases(dtype, args.quick, args.sweep, T, R, g),
               "turboquant": lambda: turboquant_cases(dtype, args.quick, args.sweep, T, R, g),
+              "palu": lambda: palu_cases(dtype, args.quick, args.sweep, T, R, g),
               "cells": lambda: cells_cases(dtype, args.quick, T, R, g),
               "omnikv": lambda: omnikv_cases(dtype, args.quick, T, R, g)}
     unknown = set(args.only or ()) - set(groups)

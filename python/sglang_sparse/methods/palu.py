@@ -48,17 +48,18 @@ Runtime:
 - a latent keeps the pool's dtype: ``layers * 2 * (kv_heads / head_group) * r * itemsize`` bytes
   per token, i.e. ``1 - ratio`` of the model's KV (11,520 B at ratio 0.5 / 5,760 at 0.75 on the
   default model in fp16, vs 23,040 dense);
-- decode reads the blocks through ``kernels.quantized.palu_decode``: the plain-torch reference
-  (``sgl_kernel_sparse.palu.palu_decode_attention``: each block's K/V reconstructed, K rotated at
-  ``jG + o``, then attention with the residual rows) on every device; it loops over requests in
-  Python, so the method declares ``decode_kernel_graph_safe = False`` and the launcher adds
-  ``--disable-cuda-graph`` on a GPU (not run on a GPU yet). Prefill chunks over a stored history
-  (chains, radix hits) attend the reconstructed blocks (``prefix_kv``).
+- decode reads the blocks through ``kernels.quantized.palu_decode``: on CUDA the Triton kernel
+  ``sgl_kernel_sparse.triton_palu`` (flash-decoding splits; keys rebuilt from the latents as
+  ``h B_k`` and rotated at ``jG + o`` in registers, values summed in the latent space and
+  multiplied by ``B_v`` once per split; no host sync, so SGLang's decode CUDA graphs stay on),
+  elsewhere the plain-torch reference (``sgl_kernel_sparse.palu.palu_decode_attention``: each
+  block's K/V reconstructed, then attention with the residual rows; it loops over requests in
+  Python). Prefill chunks over a stored history (chains, radix hits) attend the reconstructed
+  blocks (``prefix_kv``).
 
 Not built (the paper has them): Palu's Fisher-information rank search (ranks are uniform), the
 latent quantization with the Walsh-Hadamard transform, folding ``B_v`` into ``W_o`` (the layer
-must hand per-head V to ``o_proj``), a fused GPU decode kernel over latents (reconstruction in
-registers), and calibration on text the default model generates itself (the essay slice is used);
+must hand per-head V to ``o_proj``; the kernel applies ``B_v`` once per split instead), and calibration on text the default model generates itself (the essay slice is used);
 tensor parallelism is refused with a sentence. Models with a per-head ``k_norm`` between the
 projection and RoPE (Qwen3) run with per-head factors only (``head_group 1``; the norm's weight is
 folded into the keys' B for the store, ``PaluFactors.with_key_gain``, since ``gain * (h B) /
@@ -140,7 +141,7 @@ class PaluRuntime(KIVIRuntime):
     store_cls = PaluLatentStore
     blocks_key = "palu_blocks"
     projects_kv = True
-    decode_kernel_graph_safe = False  # the decode is the plain-torch reference (no GPU kernel yet)
+    decode_kernel_graph_safe = True  # triton_palu on CUDA: no host sync (the CPU reference loops, eagerly)
 
     def __init__(self, cache, config: PaluConfig | None = None) -> None:
         super().__init__(cache, config or PaluConfig())
