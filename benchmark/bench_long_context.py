@@ -97,6 +97,8 @@ def variant(name: str, budget: int, prompt_len: int = 32768) -> tuple[str, list[
         # rank 64 of 128 per KV head (ratio 0.5), G = 32, R = 32, same byte split as KIVI; plain
         # SVD of the weights (--load-format dummy has no checkpoint to calibrate on)
         "palu": ["--sparse-method", "palu", "--sparse-ratio", "0.5", "--sparse-whiten", "off", "--chain-cache", "off"],
+        "palu-0.75": ["--sparse-method", "palu", "--sparse-ratio", "0.75", "--sparse-whiten", "off", "--chain-cache",
+                      "off"],
     }[name]
     return ("sglang.launch_server" if name == "plain" else "sglang_sparse.launch_server"), flags
 
@@ -221,7 +223,7 @@ def capacity_batch(name: str, args) -> int:
         # the request being prefilled then holds at most cap + one chunk, not its whole prompt
         held = min(L, cap + chunk) if name in ("h2o", "skipkv") and chunk else L
         return (pool - held) // cap + 1
-    if name in ("kivi", "turboquant", "palu"):  # every history in blocks (3/4 of the pool's bytes)
+    if name in ("kivi", "turboquant", "palu", "palu-0.75"):  # every history in blocks (3/4 of the pool's bytes)
         cfg = json.loads((Path(args.model_path) / "config.json").read_text())
         layers, heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
         d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -234,12 +236,12 @@ def capacity_batch(name: str, args) -> int:
 
 def payload_block(name: str, layers: int, heads: int, d: int):
     """(method config, bytes of one block of G tokens in bf16) of a payload variant."""
-    if name == "palu":
+    if name.startswith("palu"):
         from sglang_sparse.core.latent_store import PaluLatentStore
         from sglang_sparse.core.lowrank import ranks_for_ratio
         from sglang_sparse.methods.palu import PaluConfig
 
-        c = PaluConfig(ratio=0.5)
+        c = PaluConfig(ratio=0.75 if name == "palu-0.75" else 0.5)
         rank, groups = ranks_for_ratio(c.ratio, heads, d, c.head_group)
         return c, PaluLatentStore.latent_block_bytes(layers, groups, rank, c.group, 2)
     store, cfg_cls, bits = payload_store(name)

@@ -153,3 +153,13 @@ class ChainMachine(RuleBasedStateMachine):
 
 TestChainMachine = ChainMachine.TestCase
 TestChainMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_chain_ids_carry_the_data_parallel_rank():
+    from sglang_sparse.core.chain_index import dp_rank_of
+
+    idx = ChainCacheIndex(lambda p: None, id_prefix="chain-r1-")
+    cid = idx.start("fp").chain_id
+    assert cid == "chain-r1-1" and dp_rank_of(cid) == 1
+    assert dp_rank_of("chain-7") is None and dp_rank_of("session-r1-2") is None and dp_rank_of("chain-rx-1") is None
+    assert ChainCacheIndex(lambda p: None).start("fp").chain_id == "chain-1"

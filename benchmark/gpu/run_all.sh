@@ -44,6 +44,7 @@
 #   prefill-flash  issue 17: prefill speed (TTFT of one request, 1 output token), 32K and 128K
 #                   prompts, FlashPrefill (threshold 0.9) then dense, 16,384-token chunks (258 s, 2026-12-03)
 #   capacity-turboquant  issue 17: TurboQuant 3-bit vs dense (16 / 64 splits), 196,608-token pool (~8 min, est.)
+#   capacity-palu75 Palu kernel sweep, then Palu at ratio 0.75 alone, same pool (~5 min, est.)
 #   kernels-quant   KIVI and TurboQuant decode kernels alone (~1 min, est.)
 #   capacity-palu   issue 17: Palu kernel tests and timing on the GPU, then Palu (ratio 0.5) vs dense (16 / 64 splits), 196,608-token pool (~9 min, est.)
 #   prefill-flash-keepall  FlashPrefill at 1.0 (all blocks) next to dense, 32K and 128K (~6 min, est.)
@@ -216,6 +217,13 @@ for stage in "$@"; do
         --prompt-len 32768 --output-len 2048 --methods palu dense --tune dense --kv-splits 16 64 \
         --timeout 240 --out "$OUT/long_capacity_32k_palu.json" \
         -- --cuda-graph-bs-decode 1 2 4 8 16 24 32 2>&1 | tee "$OUT/$stage.txt" ;;
+    capacity-palu75)  # Palu at ratio 0.75 (rank 32 of 128) at the same pool (dense: capacity-palu), after
+      # the Palu kernel's sweep (block_n, warps, splits, dot16) at the capacity shapes
+      timeout 90 python3 sgl-kernel-sparse/bench/bench_kernels.py --only palu --sweep --out "$OUT/kernels_palu_sweep.json" \
+        --no-ref 2>&1 | tee "$OUT/kernels_palu_sweep.txt"
+      timeout 300 python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 196608 \
+        --prompt-len 32768 --output-len 2048 --methods palu-0.75 --timeout 240 \
+        --out "$OUT/long_capacity_32k_palu75.json" -- --cuda-graph-bs-decode 1 2 4 8 16 24 32 2>&1 | tee "$OUT/$stage.txt" ;;
     kernels-quant)  # the KIVI and TurboQuant decode kernels alone (bandwidth at the capacity shapes)
       timeout 150 python3 sgl-kernel-sparse/bench/bench_kernels.py --only kivi turboquant \
         --out "$OUT/kernels_quant.json" --no-ref 2>&1 | tee "$OUT/$stage.txt" ;;

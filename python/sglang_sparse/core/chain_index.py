@@ -68,6 +68,15 @@ class ContinuationTooLarge(ChainError):
     status = 400
 
 
+def dp_rank_of(chain_id: str) -> int | None:
+    """The data-parallel rank named by a chain id ``chain-r<k>-<n>`` (None for any other id)."""
+    parts = chain_id.split("-")
+    if len(parts) == 3 and parts[0] == "chain" and parts[1][:1] == "r" and parts[1][1:].isdigit() \
+            and parts[2].isdigit():
+        return int(parts[1][1:])
+    return None
+
+
 class ChainStatus(enum.Enum):
     ACTIVE = "active"
     IDLE = "idle"
@@ -115,8 +124,11 @@ class ChainCacheIndex:
     """Chains of one scheduler. ``release(payload)`` gives a payload's rows and metadata back
     (called exactly once per payload: on reclaim, invalidation, deletion or replacement)."""
 
-    def __init__(self, release: Callable[[Any], None]) -> None:
+    def __init__(self, release: Callable[[Any], None], id_prefix: str = "chain-") -> None:
+        """``id_prefix``: new chains are ``<prefix><n>`` (``chain-r<k>-`` under data parallelism:
+        ids unique across ranks, and the rank that holds a chain is in its id)."""
         self.release = release
+        self.id_prefix = id_prefix
         self.chains: dict[str, ChainRecord] = {}
         self._clock = itertools.count(1)
         self._ids = itertools.count(1)
@@ -124,7 +136,7 @@ class ChainCacheIndex:
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self, fingerprint: str, chain_id: str | None = None) -> ChainRecord:
         """A request without a chain id starts a new chain (ACTIVE, nothing processed yet)."""
-        chain_id = chain_id or f"chain-{next(self._ids)}"
+        chain_id = chain_id or f"{self.id_prefix}{next(self._ids)}"
         if chain_id in self.chains:
             raise ChainBusy(f"chain {chain_id} already exists")
         rec = ChainRecord(chain_id, fingerprint, last_use=next(self._clock))

@@ -171,26 +171,33 @@ async def sparse_stats():
     return {**(per_rank[0] or {}), "per_rank": per_rank}
 
 
-async def _chain_state() -> dict:
+async def _chain_states() -> list[dict]:
+    """The sglang_sparse record of every scheduler (one per data-parallel rank)."""
     from sglang.srt.entrypoints.http_server import get_global_state
 
     states = await get_global_state().tokenizer_manager.get_internal_state()
-    return states[0].get("sglang_sparse") or {}
+    return [s.get("sglang_sparse") or {} for s in states]
 
 
 async def list_chains():
-    """GET /chain: every chain of scheduler 0 (status, processed tokens, retained rows, last use)
-    and the slot census (``integrity``: no KV slot owned twice or lost)."""
-    record = await _chain_state()
-    return {"chains": record.get("chains") or [], "integrity": (record.get("stats") or {}).get("integrity")}
+    """GET /chain: every chain of every scheduler (status, processed tokens, retained rows, last
+    use) and the slot census (``integrity``: no KV slot owned twice or lost; with several
+    data-parallel ranks ``ok`` over all of them and ``per_rank`` each)."""
+    records = await _chain_states()
+    chains = [c for r in records for c in r.get("chains") or []]
+    censuses = [(r.get("stats") or {}).get("integrity") for r in records]
+    integrity = censuses[0] if len(censuses) == 1 else {
+        "ok": all(bool(c and c.get("ok")) for c in censuses), "per_rank": censuses}
+    return {"chains": chains, "integrity": integrity}
 
 
 @admin_route
 async def get_chain(chain_id: str):
     """GET /chain/{chain_id}: one chain, 404 if unknown."""
-    for rec in (await _chain_state()).get("chains") or []:
-        if rec["chain_id"] == chain_id:
-            return rec
+    for record in await _chain_states():
+        for rec in record.get("chains") or []:
+            if rec["chain_id"] == chain_id:
+                return rec
     raise RequestError("chain_id", f"unknown chain {show(chain_id)}", status=404)
 
 

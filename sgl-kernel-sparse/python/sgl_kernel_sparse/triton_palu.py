@@ -260,6 +260,8 @@ def palu_decode_attention(q, lat_k, lat_v, bk, bv, bias_k, bias_v, cos_sin, neox
         F=f, BLOCK_F=pow2(f, 16), STEP=1 if neox else 2, OFF=f if neox else 1, PW=pw, BLOCK_P=pow2(pw, 16),
         HAS_BK=bias_k is not None, HAS_BV=bias_v is not None, SPLIT=splits > 1,
         PRECISION="tf32x3" if fp32 else "tf32", DOT16=dot16, D=d, BLOCK_D=block_d, BLOCK_N=block_n,
-        num_warps=8 if num_warps is None else int(num_warps),
+        # 4 warps up to rank 64 (H200, B=22, 32K, r 64: 1.39 vs 1.53 ms at 8,
+        # kernels_palu_sweep_issue17.json); 8 above (4 spill at r 128 in the compile report)
+        num_warps=(4 if pow2(rank, 16) <= 64 else 8) if num_warps is None else int(num_warps),
     )
     return merge_splits(o_part, lse_part, out, splits)

@@ -76,12 +76,26 @@ async def call(op) -> dict:
 
     method, body = ops.encode(op)
     outs = await get_global_state().tokenizer_manager.dumper_control(DumperControlReqInput(method=method, body=body))
-    out = outs[0]
-    if not out.success or not out.response:
-        logger.error("sglang_sparse: admin operation %s failed in the scheduler: %s", method, out.error)
-        raise RequestError("", f"the admin operation {type(op).__name__} failed in the scheduler; the server log "
-                               "has the details", status=500)
-    result = out.response[0]
+    results = []
+    for out in outs:  # one per data-parallel rank (the operation ran on each)
+        if not out.success or not out.response:
+            logger.error("sglang_sparse: admin operation %s failed in the scheduler: %s", method, out.error)
+            raise RequestError("", f"the admin operation {type(op).__name__} failed in the scheduler; the server "
+                                   "log has the details", status=500)
+        results.append(out.response[0])
+    result = pick_rank_result(results)
     if isinstance(result.get("status"), int) and result["status"] >= 400:
         raise RequestError(result.get("param") or "", result["message"], status=result["status"])
     return result
+
+
+def pick_rank_result(results: list[dict]) -> dict:
+    """The answer of the rank that did something: the first success; else the most specific
+    refusal (a rank that holds the object, e.g. 409 busy or 410 gone, over the 404s of the ranks
+    that do not know it)."""
+    failed = lambda r: isinstance(r.get("status"), int) and r["status"] >= 400  # noqa: E731
+    ok = [r for r in results if not failed(r)]
+    if ok:
+        return ok[0]
+    known = [r for r in results if r["status"] != 404]
+    return (known or results)[0]

@@ -334,6 +334,19 @@ def _named_chain(obj):
     return chain_id if isinstance(chain_id, str) else None
 
 
+def _route_to_chain_rank(manager, obj, chain_id: str) -> None:
+    """Data parallel: a continuation goes to the rank whose scheduler holds its chain (the rank
+    is in the id, ``chain-r<k>-<n>``) through SGLang's per-request ``routed_dp_rank``, unless the
+    client routed it itself. An id naming a rank this server lacks is left alone: the scheduler
+    that gets it answers 404 (unknown chain)."""
+    from sglang_sparse.core.chain_index import dp_rank_of
+
+    rank = dp_rank_of(chain_id)
+    ranks = int(getattr(manager, "elastic_worker_count", 0) or getattr(manager.server_args, "dp_size", 1) or 1)
+    if rank is not None and ranks > 1 and rank < ranks and getattr(obj, "routed_dp_rank", None) is None:
+        obj.routed_dp_rank = rank
+
+
 def around_generate_request(original, manager, obj, request=None, *args, **kwargs):
     """Watch the first output (streamed refusals); a request naming a chain whose previous
     request's client has gone away aborts that request first. The abort reaches the scheduler
@@ -346,6 +359,7 @@ def around_generate_request(original, manager, obj, request=None, *args, **kwarg
         import uuid
 
         obj.rid = uuid.uuid4().hex  # a chain request is one prompt, one sample (check_chain_fields)
+    _route_to_chain_rank(manager, obj, chain_id)
 
     async def tracked():
         prev = STATE.http.inflight.get(chain_id)

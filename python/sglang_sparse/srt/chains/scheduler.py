@@ -52,9 +52,20 @@ def setup(model_runner, config: dict) -> None:
     if not config.get("chain_cache"):
         return
     store = STATE.scheduler.controller.cache.store
-    STATE.scheduler.chains = ChainCacheIndex(lambda p: _free_payload(store, p))
+    STATE.scheduler.chains = ChainCacheIndex(lambda p: _free_payload(store, p), id_prefix=chain_id_prefix())
     model = getattr(model_runner.server_args, "model_path", "") or ""
     STATE.scheduler.chain_fingerprint = fingerprint(str(model), config.get("method", "dense"), config.get("options") or {})
+
+
+def chain_id_prefix() -> str:
+    """``chain-`` on one scheduler; ``chain-r<k>-`` on data-parallel rank k of several, so ids are
+    unique across ranks and a continuation can be routed to the rank that holds its chain
+    (``api/generate.py``, ``core.chain_index.dp_rank_of``)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    par = get_parallel()
+    ranks, rank = getattr(par, "num_dp_ranks", None) or 1, getattr(par, "dp_rank", None)
+    return f"chain-r{int(rank or 0)}-" if int(ranks) > 1 else "chain-"
 
 
 def _free_payload(store, payload) -> None:
