@@ -72,6 +72,10 @@ CONFIGS = {
     # 40,000.., which neither this benchmark's haystacks nor bench_ppl's scored text reach)
     "palu@0.5": ["--sparse-method", "palu", "--sparse-ratio", "0.5"],
     "palu@0.75": ["--sparse-method", "palu", "--sparse-ratio", "0.75"],
+    # DeltaKV (project-fitted PCA compressor, not the paper's trained one): a reference every 16
+    # tokens and 64-wide codes (the default, 5,760 B/token in fp16), or every 32 and 32-wide (3,120)
+    "deltakv@16": ["--sparse-method", "deltakv"],
+    "deltakv@32": ["--sparse-method", "deltakv", "--sparse-stride", "32", "--sparse-latent", "32"],
     # FlashPrefill (dense decode) at its default keep threshold and a sparser one; its 4,096-key
     # minimum lowered to 512 so that every prompt of the grid is prefilled block-sparse
     "flashprefill@0.9": ["--sparse-prefill", "flashprefill", "--sparse-prefill-threshold", "0.9",
@@ -79,6 +83,18 @@ CONFIGS = {
     "flashprefill@0.5": ["--sparse-prefill", "flashprefill", "--sparse-prefill-threshold", "0.5",
                          "--sparse-prefill-min-len", "512"],
 }
+
+
+def pool_scale(flags: list[str]) -> int:
+    """How many times the pool a configuration gets: 4 for a method with its own store (KIVI's
+    pool split, a quarter of the pool's bytes kept as full-precision slots where prompts are
+    prefilled), so it has the slots every other configuration has; else 1."""
+    from sglang_sparse.config import parse_sparse_args
+    from sglang_sparse.methods import build_config, get_method
+
+    config, _ = parse_sparse_args(flags)
+    split = get_method(config["method"]).runtime_cls.pool_split(build_config(config["method"], config["options"]))
+    return 1 if split is None else 4
 
 
 def essays_tokens(tok) -> list[int]:
@@ -137,7 +153,7 @@ def main() -> None:
         t0 = time.monotonic()
         # KIVI keeps a quarter of the pool's bytes as full-precision slots (prompts are prefilled
         # in full precision): 4x the bytes give it the same slots as every other config
-        scale = 4 if "--sparse-bits" in CONFIGS[name] else 1
+        scale = pool_scale(CONFIGS[name])
         flags = CONFIGS[name] + ["--max-total-tokens", str(scale * pool), "--log-level", "warning"]
         with ServerProcess(flags) as srv:
             with ThreadPoolExecutor(args.parallel) as ex:

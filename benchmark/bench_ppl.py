@@ -22,9 +22,11 @@ benchmark cuts its haystacks from the start), ``--segments`` segments of ``--len
 
     python benchmark/bench_ppl.py --configs dense turboquant-2bit turboquant-4bit --out ppl_cpu.json
     python benchmark/bench_ppl.py --configs dense palu@0.5 palu@0.75 --out ppl_palu_cpu.json
+    python benchmark/bench_ppl.py --configs dense deltakv@16 deltakv@32 --out ppl_deltakv_cpu.json
 
 Palu changes the K/V of *every* token (its projection is low-rank), not only the stored context:
-its figures include the scored tokens' own low-rank K/V.
+its figures include the scored tokens' own low-rank K/V. DeltaKV only approximates the stored
+context (its compressor is fitted here by PCA, not the paper's trained one).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from pathlib import Path
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_niah import CONFIGS, essays_tokens  # noqa: E402
+from bench_niah import CONFIGS, essays_tokens, pool_scale  # noqa: E402
 from common import write_json  # noqa: E402
 
 from sglang_sparse.default_model import ensure_default_model  # noqa: E402
@@ -91,7 +93,7 @@ def main() -> None:
         t0 = time.monotonic()
         # payload methods (KIVI's pool split): 4x the pool, so their full-precision slots (a quarter)
         # hold what dense's pool holds; as bench_niah
-        scale = 4 if {"--sparse-bits", "--sparse-ratio"} & set(CONFIGS[name]) else 1
+        scale = pool_scale(CONFIGS[name])
         flags = CONFIGS[name] + ["--max-total-tokens", str(scale * pool), "--log-level", "warning"]
         with ServerProcess(flags) as srv:
             scored = [score_segment(srv.base_url, seg, args.context) for seg in segments]

@@ -28,6 +28,9 @@ implementation of the per-layer hooks does not meet that bar; ``decode_view_tens
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from sglang_sparse.core.cache_manager import CacheManager
@@ -42,6 +45,15 @@ LAYER_HOOKS = ("before_attention", "on_prefill_chunk", "prefix_kv", "build_decod
                "after_attention", "on_layer_end")
 # The per-layer hooks that fire in decode steps (``on_prefill_chunk`` never does).
 DECODE_LAYER_HOOKS = ("before_attention", "build_decode_selection", "after_attention", "on_layer_end")
+
+
+@dataclass(frozen=True)
+class ModelRope:
+    """What the engine hands a ``reads_rope`` runtime (``bind_model``): the model's RoPE table
+    (``core.lowrank.RopeTable``) and what the method's ``prepare_artifacts`` returned."""
+
+    rope: Any
+    artifacts: dict
 
 
 class SparseMethodRuntime:
@@ -60,6 +72,9 @@ class SparseMethodRuntime:
     # True: the model's K/V projections are replaced by the method's (Palu's low-rank factors):
     # the adapter installs its projection hook after the model loads and calls ``bind_model``
     projects_kv = False
+    # True: the method stores pre-RoPE K (DeltaKV): once the model is loaded the adapter calls
+    # ``bind_model(ModelRope(...))`` with the model's RoPE table and the launcher's artifacts
+    reads_rope = False
     # False: a ``graph_decode`` method whose decode kernel still runs Python (a plain-torch
     # reference with per-request loops): decode stays eager (no CUDA-graph capture)
     decode_kernel_graph_safe = True
@@ -80,7 +95,7 @@ class SparseMethodRuntime:
 
     def bind_model(self, info) -> None:
         """``projects_kv`` methods: what the projection hook took from the loaded model (factors,
-        RoPE table), given once before the first step."""
+        RoPE table); ``reads_rope`` methods: a ``ModelRope``. Given once before the first step."""
 
     @classmethod
     def probe_texts(cls, encode) -> dict:

@@ -8,11 +8,13 @@ import torch
 
 from sglang_sparse.core.cache_manager import CacheManager
 from sglang_sparse.core.controller import SparseController
+from sglang_sparse.core.runtime import ModelRope
 from sglang_sparse.methods import build_config, get_method
 from sglang_sparse.registry import build_prefill_config, get_prefill
 from sglang_sparse.srt import activation
 from sglang_sparse.srt.chains import scheduler as chains
 from sglang_sparse.srt.engine.kv_store import SGLangKVStore
+from sglang_sparse.srt.engine.model_rope import model_rope
 from sglang_sparse.srt.state import STATE
 
 logger = logging.getLogger("sglang_sparse")
@@ -35,6 +37,8 @@ def ensure_controller(model_runner) -> SparseController:
                 raise RuntimeError(f"--sparse-method {method} projects K/V but its model hook did not run "
                                    "(engine/projection.py)")
             runtime.bind_model(st.model_info)
+        if runtime.reads_rope:  # the model is loaded (the scheduler builds the controller after it)
+            runtime.bind_model(ModelRope(model_rope(model_runner), config.get("artifacts") or {}))
         if runtime.reads_tokens:
             texts = token_texts(model_runner)
             if texts is not None:
