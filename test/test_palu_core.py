@@ -196,8 +196,9 @@ def test_on_the_toy_engine_blocks_hold_the_latents_and_decode_reads_them():
     q = [torch.randn(length + 12, HQ, D, generator=g) for _ in range(LAYERS)]
     eng = ToyEngine("palu", {"ratio": 1 - rank / D, "group": G, "residual": R})
     rt = eng.ctl.runtime
-    assert (rt.blocks.rank, rt.blocks.n_groups) == (rank, HKV) and rt.decode_kernel_graph_safe is False
-    assert type(rt).decode_needs_python() and rt.graph_decode  # eager decode, through the tensor-only hook
+    assert (rt.blocks.rank, rt.blocks.n_groups) == (rank, HKV) and rt.decode_kernel_graph_safe
+    # triton_palu is graph-safe: decode runs through the tensor-only hook inside SGLang's graphs
+    assert not type(rt).decode_needs_python() and rt.graph_decode
     rt.bind_model(LatentModel(f, RopeTable(table, neox=True)))
     free0, blocks0 = eng.store.free_count(), rt.blocks.free_count()
     eng.prefill("a", 0, [x[:length] for x in q], [k[:length] for k, _ in kv], [v[:length] for _, v in kv], chunk=32)
