@@ -163,3 +163,28 @@ def test_chain_ids_carry_the_data_parallel_rank():
     assert cid == "chain-r1-1" and dp_rank_of(cid) == 1
     assert dp_rank_of("chain-7") is None and dp_rank_of("session-r1-2") is None and dp_rank_of("chain-rx-1") is None
     assert ChainCacheIndex(lambda p: None).start("fp").chain_id == "chain-1"
+
+
+def test_chain_ids_carry_the_replica_and_say_where_a_foreign_chain_lives():
+    from sglang_sparse.core.chain_index import (UnknownChain, chain_id_prefix, dp_rank_of, parse_chain_id,
+                                                valid_replica_name)
+
+    assert chain_id_prefix("a", None) == "chain-a-" and chain_id_prefix("a", 1) == "chain-a-r1-"
+    assert chain_id_prefix(None, None) == "chain-" and chain_id_prefix(None, 0) == "chain-r0-"
+    assert parse_chain_id("chain-a-r1-3") == ("a", 1) and dp_rank_of("chain-a-r1-3") == 1
+    assert parse_chain_id("chain-b2-7") == ("b2", None) and parse_chain_id("chain-7") == (None, None)
+    for other in ("chain-A-1", "chain-a-b-1", "chain-a-r1-x", "session-a-1", "chain--1", "chain-a-r1-r2-1"):
+        assert parse_chain_id(other) is None, other
+    assert not valid_replica_name("r1") and not valid_replica_name("1a") and valid_replica_name("rx")
+    here = ChainCacheIndex(lambda p: None, id_prefix=chain_id_prefix("a", None))
+    assert here.start("fp").chain_id == "chain-a-1"
+    try:
+        here.get("chain-b-1")
+        raise AssertionError("a chain of replica b must be unknown on replica a")
+    except UnknownChain as err:
+        assert err.status == 404 and "started on replica b and this is replica a" in err.message
+    try:
+        here.get("chain-a-9")
+        raise AssertionError("chain-a-9 was never started")
+    except UnknownChain as err:
+        assert err.message == "unknown chain 'chain-a-9'"

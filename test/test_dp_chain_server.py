@@ -73,6 +73,22 @@ def test_every_continuation_reaches_its_chain_on_either_rank(server):
         assert rank["integrity"]["ok"], rank["integrity"]
 
 
+def test_a_routing_keys_chain_lives_on_the_rank_its_key_hashes_to(server):
+    """``X-SMG-Routing-Key`` (sglang-router's header) names a chain ``key-<K>``; under DP every
+    request of a key goes to rank crc32(K) % 2, so its continuations resume."""
+    keys = ("agent-1", "agent-2", "agent-4")  # ranks 1, 1, 0
+    prompts = {key: ids(120, n) for n, key in enumerate(keys)}
+    for turn in range(3):
+        for key in keys:
+            body = {"input_ids": prompts[key],
+                    "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}}
+            r = requests.post(server.base_url + "/generate", json=body, headers={"X-SMG-Routing-Key": key}, timeout=600)
+            assert r.status_code == 200, r.text
+            m = r.json()["meta_info"]
+            assert (m["chain_id"], m["chain_status"]) == (f"key-{key}", "resumed" if turn else "created"), m
+            prompts[key] = prompts[key] + r.json()["output_ids"] + ids(10, turn)
+
+
 def test_the_wrong_rank_does_not_know_the_chain_and_admin_routes_cover_both(server):
     code, out = gen(server, ids(150, 7), 4, rank=1)  # pinned to rank 1 by the client
     assert code == 200, out

@@ -168,3 +168,17 @@ def test_retroinfer_decodes_eagerly_evicts_and_has_no_chains():
     assert argv[argv.index("--attention-backend") + 1] == "triton" and config["chain_cache"] is False
     with pytest.raises(ConfigError, match="--chain-cache on is not supported by --sparse-method retroinfer"):
         sparse_config(["--device", "cpu", "--sparse-method", "retroinfer", "--chain-cache", "on"], log=lambda m: None)
+
+
+def test_chain_replica_names_the_chains_or_is_refused_with_a_sentence():
+    from sglang_sparse.registry import ConfigError
+    from sglang_sparse.srt.launcher import sparse_config
+
+    config, argv = sparse_config(["--sparse-method", "snapkv", "--chain-replica", "a1"], log=lambda m: None)
+    assert config["chain_replica"] == "a1" and "--chain-replica" not in argv
+    assert sparse_config(["--sparse-method", "snapkv"], log=lambda m: None)[0]["chain_replica"] is None
+    for bad, words in ((["--sparse-method", "snapkv", "--chain-replica", "r2"], "not a replica name"),
+                       (["--sparse-method", "snapkv", "--chain-replica", "A"], "lowercase"),
+                       (["--sparse-method", "dense", "--chain-replica", "a"], "Chain Cache is off")):
+        with pytest.raises(ConfigError, match=words):
+            sparse_config(bad, log=lambda m: None)

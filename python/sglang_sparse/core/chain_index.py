@@ -68,13 +68,48 @@ class ContinuationTooLarge(ChainError):
     status = 400
 
 
-def dp_rank_of(chain_id: str) -> int | None:
-    """The data-parallel rank named by a chain id ``chain-r<k>-<n>`` (None for any other id)."""
+# Chain ids: ``chain-[<replica>-][r<k>-]<n>``. ``<replica>`` names the server (``--chain-replica``,
+# for several servers behind one router), ``r<k>`` the data-parallel rank of one server's
+# schedulers (only with more than one), ``<n>`` the scheduler's counter.
+REPLICA_NAME_RULE = "1 to 16 lowercase letters and digits, starting with a letter, not r<digits>"
+
+
+def valid_replica_name(name: str) -> bool:
+    """Whether ``name`` can be a replica name in chain ids (see ``REPLICA_NAME_RULE``)."""
+    return (0 < len(name) <= 16 and name.isascii() and name.isalnum() and name == name.lower()
+            and name[0].isalpha() and not _is_rank(name))
+
+
+def _is_rank(part: str) -> bool:
+    return part[:1] == "r" and part[1:].isdigit()
+
+
+def parse_chain_id(chain_id: str) -> tuple[str | None, int | None] | None:
+    """``(replica, dp_rank)`` named by a chain id of this project (either may be None), or None
+    for any other id (a session's chain, a client's own name)."""
     parts = chain_id.split("-")
-    if len(parts) == 3 and parts[0] == "chain" and parts[1][:1] == "r" and parts[1][1:].isdigit() \
-            and parts[2].isdigit():
-        return int(parts[1][1:])
-    return None
+    if len(parts) < 2 or len(parts) > 4 or parts[0] != "chain" or not parts[-1].isdigit():
+        return None
+    middle, replica, rank = parts[1:-1], None, None
+    if middle and _is_rank(middle[-1]):
+        rank = int(middle.pop()[1:])
+    if middle:
+        replica = middle.pop()
+        if not valid_replica_name(replica):
+            return None
+    return (replica, rank) if not middle else None
+
+
+def dp_rank_of(chain_id: str) -> int | None:
+    """The data-parallel rank named by a chain id ``chain-[<replica>-]r<k>-<n>`` (None for any other id)."""
+    parsed = parse_chain_id(chain_id)
+    return parsed[1] if parsed else None
+
+
+def chain_id_prefix(replica: str | None, dp_rank: int | None) -> str:
+    """The prefix of new chain ids on one scheduler: ``chain-``, ``chain-<replica>-``,
+    ``chain-r<k>-`` or ``chain-<replica>-r<k>-`` (``dp_rank`` only with several ranks)."""
+    return "chain-" + (f"{replica}-" if replica else "") + (f"r{dp_rank}-" if dp_rank is not None else "")
 
 
 class ChainStatus(enum.Enum):
@@ -146,8 +181,19 @@ class ChainCacheIndex:
     def get(self, chain_id: str) -> ChainRecord:
         rec = self.chains.get(chain_id)
         if rec is None:
-            raise UnknownChain(f"unknown chain {chain_id!r}")
+            raise UnknownChain(self._unknown(chain_id))
         return rec
+
+    def _unknown(self, chain_id: str) -> str:
+        """Why ``chain_id`` is not here: a chain another replica started says which one."""
+        ours, theirs = parse_chain_id(self.id_prefix + "0"), parse_chain_id(chain_id)
+        if ours is not None and theirs is not None and theirs[0] != ours[0]:
+            where = f"replica {theirs[0]}" if theirs[0] else "a server without --chain-replica"
+            here = f"replica {ours[0]}" if ours[0] else "a server without --chain-replica"
+            return (f"unknown chain {chain_id!r}: it was started on {where} and this is {here}; send a "
+                    "chain's continuations to the server that holds it (behind sglang-router: "
+                    "--policy manual and the same X-SMG-Routing-Key header as the chain's first turn)")
+        return f"unknown chain {chain_id!r}"
 
     def check_continuation(self, chain_id: str, fingerprint: str, tokens: Sequence[int]) -> ChainRecord:
         """Raise unless ``tokens`` may resume ``chain_id``: the chain is idle, the fingerprint

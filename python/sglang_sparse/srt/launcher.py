@@ -132,6 +132,7 @@ def sparse_config(argv: list[str], log=logger.info) -> tuple[dict, list[str]]:
     config, argv = parse_sparse_args(argv)
     runtime = get_method(config["method"]).runtime_cls
     config["chain_cache"], argv = _chain_cache(config["method"], runtime, argv, log)
+    config["chain_replica"], argv = _chain_replica(argv, config["chain_cache"])
     radix_asked = "--disable-radix-cache" not in argv  # before an evicting method turns SGLang's off
     if runtime.evicts_kv:
         # Compaction happens between steps and rows stop matching logical tokens (see
@@ -207,6 +208,25 @@ def _chain_cache(method: str, runtime, argv: list[str], log) -> tuple[bool, list
                "pins each chain's prefix in the radix cache")
         log(f"sglang_sparse: chain cache on for {method}: {how} (pass chain_id to continue a chain)")
     return on, rest
+
+
+def _chain_replica(argv: list[str], chain_cache: bool) -> tuple[str | None, list[str]]:
+    """``--chain-replica NAME`` (taken out of argv): this server's name in its chain ids
+    (``chain-NAME-<n>``), for several servers behind one router (docs/scale_out.md)."""
+    from sglang_sparse.core.chain_index import REPLICA_NAME_RULE, valid_replica_name
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--chain-replica", default=None)
+    known, rest = parser.parse_known_args(argv)
+    name = known.chain_replica
+    if name is None:
+        return None, rest
+    if not valid_replica_name(name):
+        raise ConfigError(f"--chain-replica {name!r} is not a replica name: use {REPLICA_NAME_RULE}")
+    if not chain_cache:
+        raise ConfigError("--chain-replica names this server's chains, but Chain Cache is off; "
+                          "drop --chain-replica or pass --chain-cache on")
+    return name, rest
 
 
 RADIX_BACKEND = "sglang_sparse"

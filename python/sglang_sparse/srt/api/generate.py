@@ -168,11 +168,43 @@ def check_chain_fields(top, custom: list, choices: int, prompts: int) -> str | N
 
 def _with_chain_id(sampling_params, chain_id: str):
     """``sampling_params`` (None, a dict, or one per prompt) with ``custom_params.chain_id`` set."""
+    return _with_custom(sampling_params, "chain_id", chain_id)
+
+
+def _with_custom(sampling_params, key: str, value):
     if isinstance(sampling_params, list):
-        return [_with_chain_id(sp, chain_id) for sp in sampling_params]
+        return [_with_custom(sp, key, value) for sp in sampling_params]
     sp = dict(sampling_params or {})
-    sp["custom_params"] = {**(sp.get("custom_params") or {}), "chain_id": chain_id}
+    sp["custom_params"] = {**(sp.get("custom_params") or {}), key: value}
     return sp
+
+
+# -- chains named by the router's routing key ---------------------------------------------------------
+# sglang-router forwards only the request fields it knows (``custom_params`` and ``chain_id`` are
+# dropped) but passes its routing-key header on. With Chain Cache on, a request carrying the header
+# and no chain_id continues the chain named by the key (``key-<K>``, chains/scheduler.py): resumed
+# when the request extends it, started over when it does not, so one agent session = one key.
+ROUTING_HEADER = "x-smg-routing-key"
+CHAIN_KEY = "chain_key"  # custom_params field the header is copied into (read by the scheduler)
+_KEY_CHARS = frozenset(chr(c) for c in range(0x21, 0x7F))
+
+
+def routing_key(request) -> str | None:
+    """The routing key of a request (None without the header or with Chain Cache off)."""
+    headers = getattr(request, "headers", None)
+    value = headers.get(ROUTING_HEADER) if headers is not None else None
+    if value is None or not chains_on():
+        return None
+    if not value or len(value) > 128 or not set(value) <= _KEY_CHARS:
+        raise RequestError("X-SMG-Routing-Key", f"X-SMG-Routing-Key names this request's chain (Chain Cache is on): "
+                                                f"use 1 to 128 printable ASCII characters without spaces, got {show(value)}")
+    return value
+
+
+def _chain_key(obj) -> str | None:
+    params = obj.sampling_params.get("custom_params") if isinstance(obj.sampling_params, dict) else None
+    key = params.get(CHAIN_KEY) if isinstance(params, dict) else None
+    return key if isinstance(key, str) else None
 
 
 async def _json_body(request) -> dict:
@@ -280,6 +312,13 @@ async def around_serve_generate(original, obj, request, *args, **kwargs):
         return generate_error_response(err.status, err.message, err.field)
     if body.get("chain_id") is not None:
         obj.sampling_params = _with_chain_id(obj.sampling_params, chain_id)
+    try:
+        key = routing_key(request)
+    except RequestError as err:
+        return generate_error_response(err.status, err.message, err.field)
+    if key is not None and chain_id is None and _prompt_count(obj) == 1 and _parallel(obj.sampling_params) == 1 \
+            and obj.session_params is None:
+        obj.sampling_params = _with_custom(obj.sampling_params, CHAIN_KEY, key)
     token = STATE.http.refusal.set(Refusal()) if obj.stream else None
     try:
         response = await original(obj, request, *args, **kwargs)
@@ -304,6 +343,12 @@ async def around_openai_request(original, serving, request, raw_request, *args, 
         return serving.create_error_response(err.message, param=err.field, status_code=err.status)
     if chain_id is not None:
         request.custom_params = {**custom, "chain_id": chain_id}
+    try:
+        key = routing_key(raw_request)
+    except RequestError as err:
+        return serving.create_error_response(err.message, param=err.field, status_code=err.status)
+    if key is not None and chain_id is None and (n if is_int(n) else 1) == 1:
+        request.custom_params = {**(request.custom_params or {}), CHAIN_KEY: key}
     stream = bool(getattr(request, "stream", False))
     token = STATE.http.refusal.set(Refusal()) if stream else None
     try:
@@ -342,9 +387,22 @@ def _route_to_chain_rank(manager, obj, chain_id: str) -> None:
     from sglang_sparse.core.chain_index import dp_rank_of
 
     rank = dp_rank_of(chain_id)
+    if chain_id.startswith("key-"):  # a routing key's chain (chains/scheduler.key_chain_id)
+        _route_keyed_chain(manager, obj, chain_id[len("key-"):])
+        return
     ranks = int(getattr(manager, "elastic_worker_count", 0) or getattr(manager.server_args, "dp_size", 1) or 1)
     if rank is not None and ranks > 1 and rank < ranks and getattr(obj, "routed_dp_rank", None) is None:
         obj.routed_dp_rank = rank
+
+
+def _route_keyed_chain(manager, obj, key: str) -> None:
+    """Data parallel: a routing key's chain lives on the rank its key hashes to (stable across
+    restarts of the HTTP process), unless the client routed the request itself."""
+    import zlib
+
+    ranks = int(getattr(manager, "elastic_worker_count", 0) or getattr(manager.server_args, "dp_size", 1) or 1)
+    if ranks > 1 and getattr(obj, "routed_dp_rank", None) is None:
+        obj.routed_dp_rank = zlib.crc32(key.encode()) % ranks
 
 
 def around_generate_request(original, manager, obj, request=None, *args, **kwargs):
@@ -354,6 +412,9 @@ def around_generate_request(original, manager, obj, request=None, *args, **kwarg
     it (``chains.after_abort_request``): the retry is answered 410 at once."""
     chain_id = _named_chain(obj) if chains_on() else None
     if chain_id is None:
+        key = _chain_key(obj) if chains_on() else None
+        if key is not None:
+            _route_keyed_chain(manager, obj, key)
         return watch_first_output(probe.fix_prompt_tokens(original(manager, obj, request, *args, **kwargs), obj))
     if obj.rid is None:
         import uuid

@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 from http import HTTPStatus
 
+from sglang_sparse.core.chain_index import chain_id_prefix as make_prefix
 from sglang_sparse.core.chain_index import (ChainBusy, ChainCacheIndex, ChainError, ChainStatus,
                                              ContinuationTooLarge, fingerprint)
 from sglang_sparse.srt.chains.records import Parked, Pinned, ReqChain
@@ -44,6 +45,7 @@ from sglang_sparse.srt.prune.job import PROBE_KEY
 from sglang_sparse.srt.state import STATE, sparse
 
 INFO_KEY = "sglang_sparse_chain"  # customized_info key of the chain fields (read by chains/http.py)
+CHAIN_KEY = "chain_key"  # custom_params: the routing key whose chain a request continues (api/generate.py)
 PROBE_INFO = "probe_tokens"  # in those fields: a resumed request's engine-probe tokens (not shown)
 
 
@@ -52,20 +54,21 @@ def setup(model_runner, config: dict) -> None:
     if not config.get("chain_cache"):
         return
     store = STATE.scheduler.controller.cache.store
-    STATE.scheduler.chains = ChainCacheIndex(lambda p: _free_payload(store, p), id_prefix=chain_id_prefix())
+    STATE.scheduler.chains = ChainCacheIndex(lambda p: _free_payload(store, p), id_prefix=chain_id_prefix(config.get("chain_replica")))
     model = getattr(model_runner.server_args, "model_path", "") or ""
     STATE.scheduler.chain_fingerprint = fingerprint(str(model), config.get("method", "dense"), config.get("options") or {})
 
 
-def chain_id_prefix() -> str:
+def chain_id_prefix(replica: str | None = None) -> str:
     """``chain-`` on one scheduler; ``chain-r<k>-`` on data-parallel rank k of several, so ids are
     unique across ranks and a continuation can be routed to the rank that holds its chain
-    (``api/generate.py``, ``core.chain_index.dp_rank_of``)."""
+    (``api/generate.py``, ``core.chain_index.dp_rank_of``); ``--chain-replica NAME`` puts the
+    server's name in front (``chain-NAME-...``) so ids are unique across replicas too."""
     from sglang.srt.runtime_context import get_parallel
 
     par = get_parallel()
     ranks, rank = getattr(par, "num_dp_ranks", None) or 1, getattr(par, "dp_rank", None)
-    return f"chain-r{int(rank or 0)}-" if int(ranks) > 1 else "chain-"
+    return make_prefix(replica, int(rank or 0) if int(ranks) > 1 else None)
 
 
 def _free_payload(store, payload) -> None:
@@ -96,11 +99,14 @@ def after_create_req(req, scheduler, recv_req, *args, **kwargs):
     if req.sampling_params.max_new_tokens == 0:
         return None  # SGLang's prefix warm-up before parallel samples (n > 1): no chain of its own
     chain_id = params.get("chain_id") if isinstance(params, dict) else None
+    key = params.get(CHAIN_KEY) if isinstance(params, dict) else None
     session = getattr(req, "session", None)
     probe_len = None
     try:
         if chain_id is None and session is not None:
             sparse(req).chain = _session_chain(idx, session, req, scheduler)
+        elif chain_id is None and isinstance(key, str):
+            sparse(req).chain = _keyed_chain(idx, key_chain_id(key), req, scheduler)
         elif chain_id is None:
             sparse(req).chain = ReqChain(idx.start(STATE.scheduler.chain_fingerprint).chain_id, "created", 0)
         else:
@@ -168,12 +174,27 @@ def session_chain_id(session_id: str) -> str:
     return f"session-{session_id}"
 
 
-def _session_chain(idx: ChainCacheIndex, session, req, scheduler) -> ReqChain:
+def key_chain_id(key: str) -> str:
+    """The chain of a routing key (``X-SMG-Routing-Key``, api/generate.py)."""
+    return f"key-{key}"
+
+
+def _keyed_chain(idx: ChainCacheIndex, cid: str, req, scheduler) -> ReqChain:
+    """A routing key's chain: like a session's (resumed when the request extends it, started over
+    when it does not), except that a key's chain in use by another request does not refuse this
+    one: it runs on a chain of its own (``chain-<n>``), as a request without the key would."""
+    rec = idx.chains.get(cid)
+    if rec is not None and rec.status is ChainStatus.ACTIVE:
+        return ReqChain(idx.start(STATE.scheduler.chain_fingerprint).chain_id, "created", 0)
+    return _session_chain(idx, None, req, scheduler, cid=cid)
+
+
+def _session_chain(idx: ChainCacheIndex, session, req, scheduler, cid: str | None = None) -> ReqChain:
     """An SGLang session is a chain named after it. SGLang builds a session request as the
     previous prompt + output + new input, which extends the chain; when it does not (``offset``,
     ``replace``, ``drop_previous_output``) the session's chain starts over, as a plain session
     would re-prefill."""
-    cid = session_chain_id(session.session_id)
+    cid = cid or session_chain_id(session.session_id)
     rec = idx.chains.get(cid)
     if rec is not None and rec.status is ChainStatus.IDLE:
         _check_length(scheduler, rec, req)  # 400 before the chain is lent (SGLang checks later)
