@@ -89,6 +89,23 @@ def test_a_routing_keys_chain_lives_on_the_rank_its_key_hashes_to(server):
             prompts[key] = prompts[key] + r.json()["output_ids"] + ids(10, turn)
 
 
+def test_a_sessions_turns_stay_on_one_rank_and_resume_its_chain(server):
+    """SGLang opens a session on every rank; its requests go to the rank the id hashes to, so
+    each turn extends the session's chain there (``session-<id>``)."""
+    for n in range(2):
+        sid = requests.post(server.base_url + "/open_session", json={"capacity_of_str_len": 4096}, timeout=60).json()
+        prompt, prev = ids(100, 50 + n), None
+        for turn in range(3):
+            body = {"input_ids": prompt, "session_params": {"id": sid, **({"rid": prev} if prev else {})},
+                    "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}}
+            r = requests.post(server.base_url + "/generate", json=body, timeout=600)
+            assert r.status_code == 200, r.text
+            m = r.json()["meta_info"]
+            assert (m["chain_id"], m["chain_status"]) == (f"session-{sid}", "resumed" if turn else "created"), m
+            prompt, prev = ids(10, 60 + turn), m["id"]  # a session request sends only the new tokens
+        requests.post(server.base_url + "/close_session", json={"session_id": sid}, timeout=60)
+
+
 def test_the_wrong_rank_does_not_know_the_chain_and_admin_routes_cover_both(server):
     code, out = gen(server, ids(150, 7), 4, rank=1)  # pinned to rank 1 by the client
     assert code == 200, out

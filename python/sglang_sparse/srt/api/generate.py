@@ -415,6 +415,12 @@ def around_generate_request(original, manager, obj, request=None, *args, **kwarg
         key = _chain_key(obj) if chains_on() else None
         if key is not None:
             _route_keyed_chain(manager, obj, key)
+        session = obj.session_params if isinstance(obj.session_params, dict) else None
+        if session is not None and isinstance(session.get("id"), str):
+            # SGLang opens a session on every DP rank and balances its requests like any other,
+            # so a turn could meet a rank that holds neither the previous turn nor its chain:
+            # a session's requests go to the rank its id hashes to
+            _route_keyed_chain(manager, obj, "session-" + session["id"])
         return watch_first_output(probe.fix_prompt_tokens(original(manager, obj, request, *args, **kwargs), obj))
     if obj.rid is None:
         import uuid
