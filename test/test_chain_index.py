@@ -184,6 +184,11 @@ def test_chain_ids_carry_the_replica_and_say_where_a_foreign_chain_lives():
     except UnknownChain as err:
         assert err.status == 404 and "started on replica b and this is replica a" in err.message
     try:
+        ChainCacheIndex(lambda p: None).get("chain-missing-1")  # a lone server: no replica talk
+        raise AssertionError("never started")
+    except UnknownChain as err:
+        assert err.message == "unknown chain 'chain-missing-1'"
+    try:
         here.get("chain-a-9")
         raise AssertionError("chain-a-9 was never started")
     except UnknownChain as err:

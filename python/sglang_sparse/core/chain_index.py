@@ -187,9 +187,11 @@ class ChainCacheIndex:
     def _unknown(self, chain_id: str) -> str:
         """Why ``chain_id`` is not here: a chain another replica started says which one."""
         ours, theirs = parse_chain_id(self.id_prefix + "0"), parse_chain_id(chain_id)
-        if ours is not None and theirs is not None and theirs[0] != ours[0]:
+        # only a named replica says where a chain lives (on a lone server ``chain-x-1`` is
+        # just an unknown id, not necessarily another server's)
+        if ours is not None and ours[0] and theirs is not None and theirs[0] != ours[0]:
             where = f"replica {theirs[0]}" if theirs[0] else "a server without --chain-replica"
-            here = f"replica {ours[0]}" if ours[0] else "a server without --chain-replica"
+            here = f"replica {ours[0]}"
             return (f"unknown chain {chain_id!r}: it was started on {where} and this is {here}; send a "
                     "chain's continuations to the server that holds it (behind sglang-router: "
                     "--policy manual and the same X-SMG-Routing-Key header as the chain's first turn)")
