@@ -197,14 +197,7 @@ def run_replicas(args, policy: str, mode: str) -> dict:
                              env=cpu_env(str(i % (os.cpu_count() or 1))), start_timeout=args.start_timeout)
                for i in range(n)]
     try:
-        starts = [threading.Thread(target=srv.start) for srv in servers]  # in parallel
-        for t in starts:
-            t.start()
-        for t in starts:
-            t.join()
-        for srv in servers:
-            if srv.proc is None or srv.proc.poll() is not None or not _healthy(srv.base_url):
-                raise RuntimeError(f"a replica did not start; its log: {srv.log_path}")
+        start_servers(servers)
         killed = []
 
         def kill_last() -> None:
@@ -222,11 +215,23 @@ def run_replicas(args, policy: str, mode: str) -> dict:
             srv.stop()
 
 
-def _healthy(url: str) -> bool:
-    try:
-        return requests.get(url + "/health", timeout=30).status_code == 200
-    except requests.RequestException:
-        return False
+def start_servers(servers: list[ServerProcess], timeout: float | None = None) -> None:
+    """Start every server at once; the first failure (with its server's log) is raised."""
+    errors = []
+
+    def start(srv: ServerProcess) -> None:
+        try:
+            srv.start(timeout)
+        except Exception as err:  # noqa: BLE001 - raised below, with the server's log
+            errors.append(err)
+
+    threads = [threading.Thread(target=start, args=(srv,)) for srv in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def run_dp(args, mode: str) -> dict:

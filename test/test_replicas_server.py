@@ -37,21 +37,7 @@ def cluster(request):
                for i, name in enumerate("ab")]
     for srv in servers:
         request.addfinalizer(srv.stop)
-    errors = []
-
-    def start(srv):
-        try:
-            srv.start(timeout=600)
-        except Exception as err:  # noqa: BLE001 - reported below with the log
-            errors.append(err)
-
-    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    R.start_servers(servers, timeout=600)
     router = R.Router([s.base_url for s in servers], "manual", "/tmp/test_replicas_router.log")
     router.__enter__()
     request.addfinalizer(router.__exit__)

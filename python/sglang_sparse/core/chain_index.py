@@ -106,6 +106,25 @@ def dp_rank_of(chain_id: str) -> int | None:
     return parsed[1] if parsed else None
 
 
+# Named chains: an SGLang session's, and a routing key's (sglang-router's X-SMG-Routing-Key, copied
+# by the HTTP process into ``custom_params[CHAIN_KEY]``).
+CHAIN_KEY = "chain_key"
+KEY_CHAIN_PREFIX = "key-"
+
+
+def session_chain_id(session_id: str) -> str:
+    return f"session-{session_id}"
+
+
+def key_chain_id(key: str) -> str:
+    return KEY_CHAIN_PREFIX + key
+
+
+def key_of_chain(chain_id: str) -> str | None:
+    """The routing key a chain id names (``key-<K>``), or None."""
+    return chain_id[len(KEY_CHAIN_PREFIX):] if chain_id.startswith(KEY_CHAIN_PREFIX) else None
+
+
 def chain_id_prefix(replica: str | None, dp_rank: int | None) -> str:
     """The prefix of new chain ids on one scheduler: ``chain-``, ``chain-<replica>-``,
     ``chain-r<k>-`` or ``chain-<replica>-r<k>-`` (``dp_rank`` only with several ranks)."""

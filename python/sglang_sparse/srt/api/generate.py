@@ -26,6 +26,7 @@ import functools
 import types
 from dataclasses import dataclass
 
+from sglang_sparse.core.chain_index import CHAIN_KEY, dp_rank_of, key_of_chain, session_chain_id
 from sglang_sparse.validation import RequestError, check_token_ids, expect_chain_id, expect_int, is_int, show
 from sglang_sparse.srt import activation
 from sglang_sparse.srt.api import probe
@@ -184,8 +185,7 @@ def _with_custom(sampling_params, key: str, value):
 # dropped) but passes its routing-key header on. With Chain Cache on, a request carrying the header
 # and no chain_id continues the chain named by the key (``key-<K>``, chains/scheduler.py): resumed
 # when the request extends it, started over when it does not, so one agent session = one key.
-ROUTING_HEADER = "x-smg-routing-key"
-CHAIN_KEY = "chain_key"  # custom_params field the header is copied into (read by the scheduler)
+ROUTING_HEADER = "x-smg-routing-key"  # copied into custom_params[CHAIN_KEY] (read by the scheduler)
 _KEY_CHARS = frozenset(chr(c) for c in range(0x21, 0x7F))
 
 
@@ -384,15 +384,17 @@ def _route_to_chain_rank(manager, obj, chain_id: str) -> None:
     is in the id, ``chain-r<k>-<n>``) through SGLang's per-request ``routed_dp_rank``, unless the
     client routed it itself. An id naming a rank this server lacks is left alone: the scheduler
     that gets it answers 404 (unknown chain)."""
-    from sglang_sparse.core.chain_index import dp_rank_of
-
-    rank = dp_rank_of(chain_id)
-    if chain_id.startswith("key-"):  # a routing key's chain (chains/scheduler.key_chain_id)
-        _route_keyed_chain(manager, obj, chain_id[len("key-"):])
+    key = key_of_chain(chain_id)
+    if key is not None:  # a routing key's chain
+        _route_keyed_chain(manager, obj, key)
         return
-    ranks = int(getattr(manager, "elastic_worker_count", 0) or getattr(manager.server_args, "dp_size", 1) or 1)
+    rank, ranks = dp_rank_of(chain_id), _dp_ranks(manager)
     if rank is not None and ranks > 1 and rank < ranks and getattr(obj, "routed_dp_rank", None) is None:
         obj.routed_dp_rank = rank
+
+
+def _dp_ranks(manager) -> int:
+    return int(getattr(manager, "elastic_worker_count", 0) or getattr(manager.server_args, "dp_size", 1) or 1)
 
 
 def _route_keyed_chain(manager, obj, key: str) -> None:
@@ -400,7 +402,7 @@ def _route_keyed_chain(manager, obj, key: str) -> None:
     restarts of the HTTP process), unless the client routed the request itself."""
     import zlib
 
-    ranks = int(getattr(manager, "elastic_worker_count", 0) or getattr(manager.server_args, "dp_size", 1) or 1)
+    ranks = _dp_ranks(manager)
     if ranks > 1 and getattr(obj, "routed_dp_rank", None) is None:
         obj.routed_dp_rank = zlib.crc32(key.encode()) % ranks
 
@@ -420,7 +422,7 @@ def around_generate_request(original, manager, obj, request=None, *args, **kwarg
             # SGLang opens a session on every DP rank and balances its requests like any other,
             # so a turn could meet a rank that holds neither the previous turn nor its chain:
             # a session's requests go to the rank its id hashes to
-            _route_keyed_chain(manager, obj, "session-" + session["id"])
+            _route_keyed_chain(manager, obj, session_chain_id(session["id"]))
         return watch_first_output(probe.fix_prompt_tokens(original(manager, obj, request, *args, **kwargs), obj))
     if obj.rid is None:
         import uuid

@@ -34,9 +34,10 @@ from __future__ import annotations
 import copy
 from http import HTTPStatus
 
+from sglang_sparse.core.chain_index import CHAIN_KEY
 from sglang_sparse.core.chain_index import chain_id_prefix as make_prefix
 from sglang_sparse.core.chain_index import (ChainBusy, ChainCacheIndex, ChainError, ChainStatus,
-                                             ContinuationTooLarge, fingerprint)
+                                             ContinuationTooLarge, fingerprint, key_chain_id, session_chain_id)
 from sglang_sparse.srt.chains.records import Parked, Pinned, ReqChain
 from sglang_sparse.srt.engine import probe as engine_probe
 from sglang_sparse.srt.engine.admission import store_claims
@@ -45,7 +46,6 @@ from sglang_sparse.srt.prune.job import PROBE_KEY
 from sglang_sparse.srt.state import STATE, sparse
 
 INFO_KEY = "sglang_sparse_chain"  # customized_info key of the chain fields (read by chains/http.py)
-CHAIN_KEY = "chain_key"  # custom_params: the routing key whose chain a request continues (api/generate.py)
 PROBE_INFO = "probe_tokens"  # in those fields: a resumed request's engine-probe tokens (not shown)
 
 
@@ -54,7 +54,8 @@ def setup(model_runner, config: dict) -> None:
     if not config.get("chain_cache"):
         return
     store = STATE.scheduler.controller.cache.store
-    STATE.scheduler.chains = ChainCacheIndex(lambda p: _free_payload(store, p), id_prefix=chain_id_prefix(config.get("chain_replica")))
+    prefix = chain_id_prefix(config.get("chain_replica"))
+    STATE.scheduler.chains = ChainCacheIndex(lambda p: _free_payload(store, p), id_prefix=prefix)
     model = getattr(model_runner.server_args, "model_path", "") or ""
     STATE.scheduler.chain_fingerprint = fingerprint(str(model), config.get("method", "dense"), config.get("options") or {})
 
@@ -104,7 +105,7 @@ def after_create_req(req, scheduler, recv_req, *args, **kwargs):
     probe_len = None
     try:
         if chain_id is None and session is not None:
-            sparse(req).chain = _session_chain(idx, session, req, scheduler)
+            sparse(req).chain = _session_chain(idx, session_chain_id(session.session_id), req, scheduler)
         elif chain_id is None and isinstance(key, str):
             sparse(req).chain = _keyed_chain(idx, key_chain_id(key), req, scheduler)
         elif chain_id is None:
@@ -170,15 +171,6 @@ def _check_capacity(scheduler, rec, req) -> None:
                               f"to generate) and the pool has {total}")
 
 
-def session_chain_id(session_id: str) -> str:
-    return f"session-{session_id}"
-
-
-def key_chain_id(key: str) -> str:
-    """The chain of a routing key (``X-SMG-Routing-Key``, api/generate.py)."""
-    return f"key-{key}"
-
-
 def _keyed_chain(idx: ChainCacheIndex, cid: str, req, scheduler) -> ReqChain:
     """A routing key's chain: like a session's (resumed when the request extends it, started over
     when it does not), except that a key's chain in use by another request does not refuse this
@@ -186,15 +178,14 @@ def _keyed_chain(idx: ChainCacheIndex, cid: str, req, scheduler) -> ReqChain:
     rec = idx.chains.get(cid)
     if rec is not None and rec.status is ChainStatus.ACTIVE:
         return ReqChain(idx.start(STATE.scheduler.chain_fingerprint).chain_id, "created", 0)
-    return _session_chain(idx, None, req, scheduler, cid=cid)
+    return _session_chain(idx, cid, req, scheduler)
 
 
-def _session_chain(idx: ChainCacheIndex, session, req, scheduler, cid: str | None = None) -> ReqChain:
+def _session_chain(idx: ChainCacheIndex, cid: str, req, scheduler) -> ReqChain:
     """An SGLang session is a chain named after it. SGLang builds a session request as the
     previous prompt + output + new input, which extends the chain; when it does not (``offset``,
     ``replace``, ``drop_previous_output``) the session's chain starts over, as a plain session
     would re-prefill."""
-    cid = cid or session_chain_id(session.session_id)
     rec = idx.chains.get(cid)
     if rec is not None and rec.status is ChainStatus.IDLE:
         _check_length(scheduler, rec, req)  # 400 before the chain is lent (SGLang checks later)
