@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -84,6 +85,23 @@ def test_a_bad_routing_key_is_a_400_naming_the_header(cluster):
         resp = requests.post(url + "/generate", headers={"X-SMG-Routing-Key": "x" * 200},
                              json={"text": "hi", "sampling_params": {"max_new_tokens": 1}}, timeout=120)
         assert resp.status_code == 400 and "X-SMG-Routing-Key" in resp.text, resp.text
+    for bad in ("two words", "", "caf\u00e9"):  # spaces, empty, non-ASCII: straight to the replica
+        resp = requests.post(cluster.a.base_url + "/generate", headers={"X-SMG-Routing-Key": bad.encode()},
+                             json={"text": "hi", "sampling_params": {"max_new_tokens": 1}}, timeout=120)
+        assert resp.status_code == 400 and "X-SMG-Routing-Key" in resp.text, (bad, resp.text)
+    assert requests.get(cluster.a.base_url + "/health", timeout=60).status_code == 200
+
+
+def test_a_busy_keys_second_request_runs_on_a_chain_of_its_own(cluster):
+    """Two requests of one key at once: one takes the key's chain, the other a plain chain."""
+    body = {"input_ids": [400 + j for j in range(60)],
+            "sampling_params": {"max_new_tokens": 64, "ignore_eos": True, "temperature": 0}}  # overlap
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda _: requests.post(cluster.a.base_url + "/generate", json=body, timeout=300,
+                                                     headers={"X-SMG-Routing-Key": "busy-key"}), range(2)))
+    assert [r.status_code for r in outs] == [200, 200], [r.text for r in outs]
+    ids = sorted(r.json()["meta_info"]["chain_id"] for r in outs)
+    assert ids[0].startswith("chain-a-") and ids[1] == "key-busy-key", ids
 
 
 def test_a_killed_replica_loses_no_request(cluster):
