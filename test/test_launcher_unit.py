@@ -182,3 +182,30 @@ def test_chain_replica_names_the_chains_or_is_refused_with_a_sentence():
                        (["--sparse-method", "dense", "--chain-replica", "a"], "Chain Cache is off")):
         with pytest.raises(ConfigError, match=words):
             sparse_config(bad, log=lambda m: None)
+
+
+def test_tp_size_must_split_the_heads_and_cpu_ranks_get_their_environment(fake_model, monkeypatch):
+    """``--tp-size`` that does not split the model's heads stops the launcher with a sentence;
+    on a CPU, several ranks get core bindings and (tensor parallel) no NCCL library, unless given."""
+    from sglang_sparse.registry import ConfigError
+    from sglang_sparse.srt import launcher
+
+    with pytest.raises(ConfigError, match="--tp-size 2 does not split this model's 9 attention heads and 3 KV"):
+        launcher.complete_argv(["--tp-size", "2"], log=lambda m: None)
+    (fake_model / "config.json").write_text(json.dumps({**SMOL, "num_attention_heads": 12, "num_key_value_heads": 4}))
+    for var in ("SGLANG_CPU_OMP_THREADS_BIND", "SGLANG_NCCL_SO_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(launcher, "_numa_nodes", lambda: 1)
+    lines = []
+    launcher.complete_argv(["--tp", "2"], log=lines.append)
+    assert launcher.os.environ["SGLANG_CPU_OMP_THREADS_BIND"] == "0-1|2-3"
+    assert launcher.os.environ["SGLANG_NCCL_SO_PATH"] == launcher.NO_NCCL
+    assert any("SGLANG_CPU_OMP_THREADS_BIND=0-1|2-3" in line for line in lines)
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "3|2")
+    monkeypatch.delenv("SGLANG_NCCL_SO_PATH")
+    launcher.complete_argv(["--dp-size", "2"], log=lambda m: None)  # data parallel: bindings only
+    assert launcher.os.environ["SGLANG_CPU_OMP_THREADS_BIND"] == "3|2"
+    assert "SGLANG_NCCL_SO_PATH" not in launcher.os.environ
+    (fake_model / "config.json").write_text(json.dumps({**SMOL, "num_attention_heads": 8, "num_key_value_heads": 2}))
+    launcher.complete_argv(["--tp-size", "4"], log=lambda m: None)  # 4 ranks over 2 KV heads: replicated

@@ -20,10 +20,12 @@ class ToyEngine:
     """Feeds given per-layer q/k/v through the contract like an engine would: allocate rows,
     begin_step, write KV, per-layer attention_view / attention_done, end_step, safe_point."""
 
-    def __init__(self, method: str, knobs: dict | None = None, slots: int = 512, page_size: int = 1) -> None:
-        self.store = TensorKVStore(LAYERS, slots, HKV, D, page_size=page_size)
+    def __init__(self, method: str, knobs: dict | None = None, slots: int = 512, page_size: int = 1,
+                 kv_heads: int = HKV, heads=None) -> None:
+        """``kv_heads``, ``heads``: one tensor-parallel rank's share (``core.tensor_parallel``)."""
+        self.store = TensorKVStore(LAYERS, slots, kv_heads, D, page_size=page_size)
         spec = get_method(method)
-        runtime = spec.runtime_cls(CacheManager(self.store, HKV), build_config(method, knobs))
+        runtime = spec.runtime_cls(CacheManager(self.store, kv_heads, heads), build_config(method, knobs))
         self.ctl = SparseController(runtime)
         self.views: list = []
 

@@ -21,6 +21,7 @@ from sgl_kernel_sparse import compact_kv
 from sglang_sparse.core.cell_tables import CellTables
 from sglang_sparse.core.kv_store import KVStore
 from sglang_sparse.core.retained import RetainedMap
+from sglang_sparse.core.tensor_parallel import SingleRank
 
 
 @dataclass
@@ -32,9 +33,11 @@ class RequestState:
 
 
 class CacheManager:
-    def __init__(self, store: KVStore, kv_heads: int) -> None:
+    def __init__(self, store: KVStore, kv_heads: int, heads: SingleRank | None = None) -> None:
         self.store = store
-        self.kv_heads = kv_heads
+        self.kv_heads = kv_heads  # this rank's KV heads (all of them without tensor parallelism)
+        # the tensor-parallel group of KV heads: decisions across heads gather them (tensor_parallel.py)
+        self.heads = heads or SingleRank()
         self.requests: dict[str, RequestState] = {}
         self.counters = {"compactions": 0, "slots_released": 0}
         # Device mirror of per-layer maps for graph-safe decode (``enable_cell_tables``), or None.

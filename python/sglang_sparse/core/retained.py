@@ -124,7 +124,7 @@ class RetainedMap:
             return None
         if self.kept is None:
             return torch.arange(self.n_rows)
-        if self.kept.stride(0) or self.kept.stride(1):
+        if not _token_uniform(self.kept):
             return None
         tail = self.n_rows - self.kept.shape[2]
         return torch.cat([self.kept[0, 0], torch.arange(self.logical_len - tail, self.logical_len)])
@@ -139,7 +139,7 @@ class RetainedMap:
         """After compaction: rows ``[0, k)`` hold ``logical`` (``[layers, heads, k]``, ascending)."""
         if self.layer_kept is not None:
             raise ValueError("a per-layer retained map is compacted per layer (keep_layers)")
-        if logical.stride(0) == 0 and logical.stride(1) == 0:  # the same in every layer and head
+        if _token_uniform(logical):  # the same in every layer and head
             self.kept = logical[0, 0].clone().expand(logical.shape)
         else:
             self.kept = logical.clone()
@@ -152,3 +152,10 @@ class RetainedMap:
         self.layer_kept = [x.clone() for x in logical]
         self.cells = cells
         self.compacted_rows = self.n_rows = engine_rows
+
+
+def _token_uniform(t: torch.Tensor) -> bool:
+    """``[layers, heads, k]`` expanded from one ``[k]`` (the same positions in every layer and
+    head). A size-1 dimension counts as uniform whatever its stride (``expand`` keeps it): one KV
+    head per rank under tensor parallelism."""
+    return all(t.stride(d) == 0 or t.shape[d] == 1 for d in (0, 1))

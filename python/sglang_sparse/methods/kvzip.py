@@ -203,14 +203,19 @@ class KVzipRuntime(EvictingRuntime):
         state = self.cache.requests[rid]
         start = state.metadata.get(START_KEY, 0)
         scores, resumed = self.scores(rid)
+        # the selection is global over heads: under tensor parallelism it sees every rank's heads,
+        # so each layer's width B_l (the rows its slots hold) is the same on every rank
+        heads = self.cache.heads
+        scores = heads.gather(scores, dim=1)
         # sinks are the sequence's first positions: in a continuation's new context only if M < sinks
         mask = kvzip_keep_mask(scores, self.config.keep_ratio, max(0, self.config.sinks - start))
-        widened = [widen_to_layer(mask[layer], scores[layer]) for layer in range(scores.shape[0])]
+        every_head = [widen_to_layer(mask[layer], scores[layer]) for layer in range(scores.shape[0])]
+        widened = [heads.local(w, dim=0) for w in every_head]  # this rank's heads
         ret = state.retained  # earlier turns' kept rows (positions < M) stay as they are
         keep = [torch.cat([ret.layer_positions(layer)[:, :r], start + w], dim=1)
                 for layer, (r, w) in enumerate(zip(resumed, widened))]
         self.counters["kvzip_probes"] += 1
-        self.counters["kvzip_padded_entries"] += sum(w.numel() for w in widened) - int(mask.sum())
+        self.counters["kvzip_padded_entries"] += sum(w.numel() for w in every_head) - int(mask.sum())  # all heads
         self.bump("evictions")  # each layer held its resumed rows, then the new context and the probe
         self.bump("rows_released", sum(ret.layer_len(layer) - k.shape[1] for layer, k in enumerate(keep)))
         return keep

@@ -41,6 +41,7 @@ import torch
 
 from sglang_sparse.core.events import DecodeBatch, LayerInput, StepInfo, StepMode
 from sglang_sparse.core.runtime import SparseMethodRuntime
+from sglang_sparse.core.tensor_parallel import SingleRank
 from sglang_sparse.core.views import RowsTailDecodeView
 from sglang_sparse.kernels import stable_topk, token_logits
 from sglang_sparse.registry import ConfigError, check_range, register_method
@@ -68,12 +69,17 @@ class OmniKVConfig:
         check_range("token_budget", self.token_budget, 1)
 
 
-def select_from_logits(logits: torch.Tensor, prompt_rows: torch.Tensor, budget: int) -> torch.Tensor:
+def select_from_logits(logits: torch.Tensor, prompt_rows: torch.Tensor, budget: int,
+                       heads: SingleRank | None = None) -> torch.Tensor:
     """OmniKV's selection from one filter layer's logits ``[B, H_q, L]`` (``-inf`` past each
     request's rows): ``s_j = max_h softmax_j``, the top ``budget`` rows of ``[0, prompt_rows[b])``
     by ``s``, ties to the lower row (a stable sort), ascending, ``-1`` where the prompt has fewer
-    rows. Returns int32 ``[B, budget]``. Tensor ops only (graph-safe)."""
-    scores = logits.softmax(dim=-1).amax(dim=1)  # [B, L]
+    rows. Returns int32 ``[B, budget]``. Tensor ops only (graph-safe). Under tensor parallelism
+    ``heads`` takes the maximum over every rank's heads (one all-reduce), so all ranks read the
+    same rows."""
+    scores = logits.softmax(dim=-1).amax(dim=1)  # [B, L], over this rank's query heads
+    if heads is not None:
+        scores = heads.max_(scores)  # over every rank's
     beyond = torch.arange(scores.shape[1], device=scores.device).view(1, -1) >= prompt_rows.view(-1, 1)
     scores = scores.masked_fill(beyond, -1.0)  # a generated row is never chosen
     idx = stable_topk(scores, budget)
@@ -133,7 +139,7 @@ class OmniKVRuntime(SparseMethodRuntime):
         prompt = self.prompt_rows[batch.req_rows.long()]
         if lid in self.filters:  # dense attention; choose for the layers up to the next filter
             logits = token_logits(batch.q, batch.k_cache, batch.table, batch.req_rows.long(), batch.n_rows)
-            self.selected[:b] = select_from_logits(logits, prompt, self.config.token_budget)
+            self.selected[:b] = select_from_logits(logits, prompt, self.config.token_budget, self.cache.heads)
             return None
         return RowsTailDecodeView(self.selected[:b], prompt, batch.n_rows)
 

@@ -174,7 +174,8 @@ class SkipKVRuntime(AccumulatedAttentionHooks, EvictingRuntime):
         if held is None:
             raise RuntimeError("skipkv keeps the same tokens in every layer and head; this request's map is per head")
         seg = torch.frombuffer(state.metadata["segments"].ids, dtype=torch.int64)[held]  # [n] segment of row i
-        scores = self.scores.rows(self.cache.resident_slots(rid))  # [layers, Hkv, n]
+        scores = self.scores.rows(self.cache.resident_slots(rid))  # [layers, Hkv, n], this rank's heads
+        scores = self.cache.heads.gather(scores, dim=1)  # every rank's heads: the same rows kept on each
         rows = skipkv_select(scores, seg, c.budget, c.sinks, c.recent).cpu()  # kept rows, ascending
         self.bump("evictions")
         self.bump("segments_dropped", int(seg.unique_consecutive().numel() - seg[rows].unique_consecutive().numel()))

@@ -6,7 +6,17 @@ anything starts. Added defaults, each announced in one log line:
 - no ``--model-path``: the embedded default model (SmolLM2-135M-Instruct, see ``default_model``);
 - no ``--device`` and no GPU: ``--device cpu``;
 - on a CPU without ``--max-total-tokens``: a KV pool sized to the machine (``core.kv_budget``);
-- on a CPU: ``--sleep-on-idle`` (an idle scheduler otherwise busy-polls a core).
+- on a CPU: ``--sleep-on-idle`` (an idle scheduler otherwise busy-polls a core);
+- on a CPU with several ranks (``--tp-size`` / ``--dp-size``): ``SGLANG_CPU_OMP_THREADS_BIND``
+  splitting the cores evenly when there are fewer NUMA nodes than ranks (SGLang 0.5.23 stops
+  otherwise), and, for ``--tp-size`` > 1, ``SGLANG_NCCL_SO_PATH`` naming no library (SGLang
+  0.5.23 builds an NCCL communicator whenever the installed torch ships NCCL, and that fails on a
+  CPU device; without it the TP group runs on gloo).
+
+``--tp-size N`` must divide the model's attention heads, and its KV heads or be a multiple of
+them: otherwise the launcher stops with a sentence (SGLang's weight loader fails later, less
+clearly). The default model (9 heads, 3 KV heads) takes no N > 1; ``sglang_sparse.tp_model``
+writes the same function with 4 KV heads.
 
 Then the method's artifacts (``SparseMethodRuntime.prepare_artifacts``, e.g. Palu's factors,
 computed from the model once and cached next to it) are found or built before SGLang starts, so
@@ -48,6 +58,9 @@ def _given_flags(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--disable-cuda-graph", action="store_true")
     parser.add_argument("--cuda-graph-backend-prefill")
     parser.add_argument("--page-size", type=int)
+    parser.add_argument("--tp-size", "--tp", "--tensor-parallel-size", dest="tp_size", type=int, default=1)
+    parser.add_argument("--dp-size", "--dp", "--data-parallel-size", dest="dp_size", type=int, default=1)
+    parser.add_argument("--pp-size", "--pp", "--pipeline-parallel-size", dest="pp_size", type=int, default=1)
     known, _ = parser.parse_known_args(argv)
     return known
 
@@ -92,6 +105,7 @@ def complete_argv(argv: list[str], log=logger.info) -> list[str]:
         log(f"sglang_sparse: no --model-path; serving the default model from {model_dir}")
         argv += ["--model-path", str(model_dir)]
         given.model_path = str(model_dir)
+    _check_tp_heads(given)
     device = given.device
     if device is None:
         import torch
@@ -111,11 +125,53 @@ def complete_argv(argv: list[str], log=logger.info) -> list[str]:
         # the one the tokenizer, detokenizer and clients need.
         argv += ["--sleep-on-idle"]
         added.append("--sleep-on-idle")
+    added += _cpu_ranks(given)
     log("sglang_sparse: CPU serving (--device cpu)" + (f"; added {', '.join(added)}" if added else ""))
     return argv
 
 
+def _check_tp_heads(given: argparse.Namespace) -> None:
+    tp = given.tp_size
+    config_file = Path(given.model_path) / "config.json"
+    if tp <= 1 or not config_file.is_file():
+        return
+    config = json.loads(config_file.read_text())
+    config = config.get("text_config", config)
+    heads = config.get("num_attention_heads")
+    kv = config.get("num_key_value_heads", heads)
+    if heads is None:
+        return
+    if heads % tp or (kv % tp and tp % kv):
+        raise ConfigError(f"--tp-size {tp} does not split this model's {heads} attention heads and {kv} KV heads: "
+                          f"the size must divide the attention heads, and divide the KV heads or be a multiple "
+                          f"of them (the default model takes none above 1; `python -m sglang_sparse.tp_model` "
+                          f"writes it with 4 KV heads)")
+
+
+def _numa_nodes() -> int:
+    nodes = list(Path("/sys/devices/system/node").glob("node[0-9]*"))
+    return max(1, len(nodes))
+
+
+def _cpu_ranks(given: argparse.Namespace) -> list[str]:
+    """Environment SGLang 0.5.23 needs to run several CPU ranks (module docstring)."""
+    added = []
+    ranks = given.tp_size * given.dp_size * given.pp_size
+    if ranks > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ and ranks > _numa_nodes():
+        cores = sorted(os.sched_getaffinity(0))
+        per = max(1, len(cores) // ranks)
+        groups = [cores[(i * per) % len(cores): (i * per) % len(cores) + per] for i in range(ranks)]
+        bind = "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+        os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = bind
+        added.append(f"SGLANG_CPU_OMP_THREADS_BIND={bind}")
+    if given.tp_size > 1 and "SGLANG_NCCL_SO_PATH" not in os.environ:
+        os.environ["SGLANG_NCCL_SO_PATH"] = NO_NCCL
+        added.append(f"SGLANG_NCCL_SO_PATH={NO_NCCL} (the TP group runs on gloo)")
+    return added
+
+
 SPARSE_BACKENDS = ("torch_native", "triton")
+NO_NCCL = "sglang-sparse-cpu-has-no-nccl"  # a library name that does not load
 
 
 def _serves_on_gpu(given: argparse.Namespace) -> bool:

@@ -140,9 +140,31 @@ def _chain_stats(index) -> dict:
     return {"chains": by_status, "chain_idle_rows": index.idle_rows()}
 
 
+TP_FIELDS = ("kv_total_slots", "kv_free_slots", "logical_tokens", "retained_tokens", "running_requests", "steps")
+
+
+def tp_agreement(stats: dict | None) -> dict | None:
+    """Under ``--tp-size`` > 1: every tensor-parallel rank's slot accounting (``TP_FIELDS``, the
+    counters, the slot census and the chains) and whether they agree. Each rank runs the same
+    scheduler on its own KV heads, so these must be equal; rank 0 alone answers HTTP, so the
+    others' numbers come by one all-gather (every rank reads internal state together: SGLang
+    broadcasts the request to the whole TP group)."""
+    st = STATE.scheduler
+    heads = st.controller.cache.heads if st.controller is not None else None
+    if heads is None or heads.size == 1 or stats is None:
+        return None
+    mine = {**{k: stats[k] for k in TP_FIELDS}, "counters": stats["counters"],
+            "integrity_ok": stats["integrity"]["ok"], "chains": stats.get("chains", {})}
+    ranks = heads.gather_object(mine)
+    return {"size": heads.size, "agree": all(r == ranks[0] for r in ranks), "ranks": ranks}
+
+
 def add_scheduler_record(result, controller, *args, **kwargs):
     record = process_record()
     record["stats"] = scheduler_stats(controller.scheduler)
+    tp = tp_agreement(record["stats"])
+    if tp is not None:
+        record["stats"]["tp"] = tp
     chains = STATE.scheduler.chains
     if chains is not None:
         record["chains"] = [rec.describe() for rec in chains.chains.values()]

@@ -9,6 +9,7 @@ import torch
 from sglang_sparse.core.cache_manager import CacheManager
 from sglang_sparse.core.controller import SparseController
 from sglang_sparse.core.runtime import ModelRope
+from sglang_sparse.core.tensor_parallel import HeadShards
 from sglang_sparse.methods import build_config, get_method
 from sglang_sparse.registry import build_prefill_config, get_prefill
 from sglang_sparse.srt import activation
@@ -31,7 +32,8 @@ def ensure_controller(model_runner) -> SparseController:
                                "KV layout (one allocation for all layers, engine/flat_pool.py)")
         store = SGLangKVStore(model_runner)
         kv_heads = model_runner.token_to_kv_pool.head_num
-        runtime = spec.runtime_cls(CacheManager(store, kv_heads), build_config(method, config.get("options")))
+        cache = CacheManager(store, kv_heads, tp_heads(model_runner))
+        runtime = spec.runtime_cls(cache, build_config(method, config.get("options")))
         if runtime.projects_kv:
             if st.model_info is None:
                 raise RuntimeError(f"--sparse-method {method} projects K/V but its model hook did not run "
@@ -52,6 +54,16 @@ def ensure_controller(model_runner) -> SparseController:
         logger.info("sglang_sparse: method %s %s, chain cache %s, sparse prefill %s", method, config.get("options"),
                     "on" if st.chains is not None else "off", config.get("prefill") or "none")
     return st.controller
+
+
+def tp_heads(model_runner) -> HeadShards | None:
+    """This rank's share of the KV heads under ``--tp-size`` > 1 (None: one rank holds all)."""
+    from sglang.srt.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    if group.world_size <= 1:
+        return None
+    return HeadShards(group.cpu_group, group.device_group)
 
 
 def prefill_policy(config: dict):

@@ -191,6 +191,9 @@ def apply(scheduler, op: PruneApply) -> dict:
     now = [tree.retained_in(nodes) for nodes in per_range]
     if not torch.equal(torch.cat([s for _, s in now]), job.slots):
         return {"status": "failed", "reason": "the cached prefix changed while it was scored"}
+    # a token's score is the maximum over layers and heads: under tensor parallelism each rank
+    # scored its own heads, so the maximum over ranks gives every rank the same mask
+    STATE.scheduler.controller.cache.heads.max_(job.scores)
     always = job.positions < pruning.KVZIP_SINKS if job.policy == "kvzip" else None
     mask = pruning.keep_mask(job.scores, job.positions, job.keep, tree.page, always)
     record = {"prune_id": job.prune_id, "policy": job.policy,
