@@ -9,7 +9,9 @@ on the default model's shape with random weights (see test_gpu_server.py):
   every slot comes back;
 - KIVI decodes through the Triton kernel inside the decode CUDA graphs, with the eager tokens,
   and frees every block and slot;
-- TurboQuant likewise, through its own Triton kernel (issue 17; not yet run on a GPU)."""
+- TurboQuant likewise, through its own Triton kernel (issue 17);
+- RetroInfer (issue 15) decodes eagerly through its pinned host tier and device cluster cache;
+  with every cluster retrieved its tokens equal dense's (fp32)."""
 
 from __future__ import annotations
 
@@ -165,3 +167,30 @@ def test_turboquant_decodes_in_graphs_through_the_triton_kernel_and_frees_every_
     assert written >= 4 * (3100 - 64 - 32) // 32
     assert free_and_used(after) == free_and_used(before)
     assert after["kv_bytes_per_token"] * 4 < after["kv_bytes_per_slot"]
+
+
+def test_retroinfer_serves_on_cuda_through_its_pinned_host_tier(model, request):
+    """RetroInfer (issue 15) on the CUDA path, eager decode (``--disable-cuda-graph``): after the
+    prompt the cold rows move to pinned host memory and their slots go back to SGLang; decode
+    fetches the retrieved clusters through the device cluster cache. fp32 on both sides: with every
+    cluster retrieved its tokens equal dense eager's; with 16 clusters per query head it decodes
+    from cache hits as well as misses; host rows, cached clusters and slots all come back."""
+    base = ["--model-path", model, *COMMON, "--dtype", "float32", "--disable-cuda-graph"]
+    retro = ["--sparse-method", "retroinfer", "--sparse-sinks", "4", "--sparse-local", "64",
+             "--sparse-tokens-per-cluster", "16", "--sparse-segment", "2048"]
+    batch = prompts(3000, 2)
+    dense = start_server(base, request)
+    want = [r["output_ids"] for r in generate(dense, batch, n=16)]
+    dense.stop()
+    for retrieve, exact in ((1000, True), (16, False)):
+        srv = start_server([*base, *retro, "--sparse-retrieve", str(retrieve)], request)
+        got = [r["output_ids"] for r in generate(srv, batch, n=16)]
+        s = stats(srv)
+        assert all(len(g) == 16 for g in got)
+        if exact:
+            assert got == want
+        cache = s["tiers"]["device_cache"]
+        assert cache["misses"] > 0 and (exact or cache["hits"] > 0), cache
+        assert s["tiers"]["host_bytes_peak"] > 0 and s["host_bytes_used"] == 0
+        assert s["kv_free_slots"] == s["kv_total_slots"] and s["integrity"]["ok"]
+        srv.stop()

@@ -373,3 +373,28 @@ def test_key_gain_folds_a_per_head_rms_norm_into_the_span():
     assert float((off - rows).norm() / rows.norm()) > 0.05
     with pytest.raises(ValueError, match="per-head factors"):
         PaluFactors.from_full([full_factors(wk, wv, None, 2, d)], rank, 2, d).with_key_gain([gain])
+
+
+@pytest.mark.parametrize("head_group", [1, 2])
+def test_a_tensor_parallel_rank_reconstructs_exactly_its_own_heads(head_group):
+    """``PaluFactors.shard(r, 2)``: rank r's latents ``x a_r`` and block-diagonal B give the
+    K / V columns of its heads ``[2r, 2r + 2)`` of the whole model's reconstruction."""
+    from sglang_sparse.core.lowrank import PaluFactors, full_factors
+
+    torch.manual_seed(5)
+    hidden, kv, d, rank = 48, 4, 16, 6
+    wk, wv = torch.randn(kv * d, hidden), torch.randn(kv * d, hidden)
+    full = PaluFactors.from_full([full_factors(wk, wv, None, head_group, d)], rank, head_group, d)
+    x = torch.randn(10, hidden)
+    h = x @ full.a[0]
+    half = h.shape[1] // 2
+    want_k, want_v = h[:, :half] @ full.block_diag(0, "k"), h[:, half:] @ full.block_diag(0, "v")
+    for r in range(2):
+        part = full.shard(r, 2)
+        assert part.n_groups == full.n_groups // 2
+        hr = x @ part.a[0]
+        k, v = hr[:, : hr.shape[1] // 2] @ part.block_diag(0, "k"), hr[:, hr.shape[1] // 2:] @ part.block_diag(0, "v")
+        cols = slice(r * 2 * d, (r + 1) * 2 * d)
+        torch.testing.assert_close(k, want_k[:, cols])
+        torch.testing.assert_close(v, want_v[:, cols])
+        torch.testing.assert_close(part.pinv_k[0], full.pinv_k[0][r * part.n_groups: (r + 1) * part.n_groups])

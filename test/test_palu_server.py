@@ -179,7 +179,8 @@ def test_bad_flags_stop_the_launcher_with_a_sentence(tmp_path):
     assert "whiten='maybe' is not allowed" in _sentence(["--sparse-method", "palu", "--sparse-whiten", "maybe"])
     assert "head_group=2 must divide the model's 3 KV heads" in _sentence(
         ["--sparse-method", "palu", "--sparse-head-group", "2", *model])
-    assert "tensor parallelism 2 is not supported" in _sentence(["--sparse-method", "palu", "--tp-size", "2", *model])
+    assert "with --tp-size 2 needs whole KV head groups on each rank: the model's 3 KV heads" in _sentence(
+        ["--sparse-method", "palu", "--tp-size", "2", *model])
     assert "--kv-cache-dtype fp8_e4m3" in _sentence(["--sparse-method", "palu", "--kv-cache-dtype", "fp8_e4m3", *model])
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "qwen3"}))
     assert "--sparse-head-group 3 does not fit qwen3 models" in _sentence(

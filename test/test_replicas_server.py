@@ -130,3 +130,24 @@ def test_a_killed_replica_loses_no_request(cluster):
     assert replay["resumed"] == replay["continuations"] == 4, replay["miss_messages"]
     stats = requests.get(cluster.a.base_url + "/sparse/stats", timeout=60).json()
     assert stats["integrity"]["ok"], stats["integrity"]
+
+
+def test_openai_requests_with_a_routing_key_continue_the_keys_chain(cluster):
+    """OpenAI ``/v1/completions`` through the router: the header names the chain there too, and
+    ``usage`` carries the chain fields (one output token: the chain's boundary is the prompt)."""
+    model = requests.get(cluster.a.base_url + "/v1/models", timeout=60).json()["data"][0]["id"]
+    # the router takes text prompts only; the second prompt's tokens extend the first's (a word
+    # boundary: the first ends with ".", the suffix starts with " ")
+    prompt = " ".join(["The tool returned the following rows."] * 12)
+
+    def complete(text):
+        resp = requests.post(cluster.router.url + "/v1/completions", headers={"X-SMG-Routing-Key": "openai-agent"},
+                             json={"model": model, "prompt": text, "max_tokens": 1, "temperature": 0}, timeout=300)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["usage"]
+
+    first = complete(prompt)
+    assert (first["chain_id"], first["chain_status"]) == ("key-openai-agent", "created"), first
+    second = complete(prompt + " Next, summarise them.")
+    assert (second["chain_id"], second["chain_status"], second["reused_tokens"]) == \
+        ("key-openai-agent", "resumed", first["prompt_tokens"]), second

@@ -2,7 +2,8 @@
 each holding 2 of the 4 KV heads of ``sglang_sparse.tp_model`` (the default model with its last
 KV group duplicated, the same function). Served in fp32, greedy tokens with ``--tp-size 2``
 equal ``--tp-size 1`` exactly for dense-length prompts (which also equal HF), for SnapKV's
-compacted prompts and for Quest's sparse decode, across a Chain Cache continuation; every rank
+compacted prompts, for Quest's sparse decode and for Palu's latents (each rank its own heads'
+share of the factors), across Chain Cache continuations; every rank
 reports the same slot accounting (``/sparse/stats`` ``tp``), KVzip's global selection keeps the
 ranks together, and ``/prune`` frees the same slots on both ranks. Each server in turn (two cores)."""
 
@@ -22,6 +23,7 @@ SNAPKV = ["--sparse-method", "snapkv", "--sparse-budget", "64", "--sparse-window
 QUEST = ["--sparse-method", "quest", "--sparse-page-size", "4", "--sparse-token-budget", "64",
          "--sparse-dense-layers", "2"]
 KVZIP = ["--sparse-method", "kvzip", "--sparse-keep-ratio", "0.3"]
+PALU = ["--sparse-method", "palu", "--sparse-ratio", "0.5", "--sparse-residual", "32"]
 
 
 def ids(n, seed):
@@ -75,10 +77,20 @@ def quest_turns(url):
             "prune": resp.json(), "before": before, "stats": stats(url)}
 
 
+def palu_turns(url):
+    """Each rank projects its own heads through its share of the factors and stores their
+    latents: a long prompt (blocks written) and its chain continuation."""
+    first = gen(url, ids(300, 6), 12)
+    second = gen(url, ids(300, 6) + first["output_ids"] + ids(40, 7), 12, first["meta_info"]["chain_id"])
+    return {"long": first["output_ids"], "continued": second["output_ids"],
+            "status": second["meta_info"]["chain_status"], "stats": stats(url)}
+
+
 @pytest.fixture(scope="module")
 def runs(request, model):
     out = {}
-    for name, method, turns in (("snapkv", SNAPKV, snapkv_turns), ("quest", QUEST, quest_turns)):
+    for name, method, turns in (("snapkv", SNAPKV, snapkv_turns), ("quest", QUEST, quest_turns),
+                                ("palu", PALU, palu_turns)):
         for tp in (1, 2):
             server = serve(request, model, method, tp)
             out[name, tp] = turns(server.base_url)
@@ -125,6 +137,15 @@ def test_quest_tokens_and_prune_with_two_ranks_equal_one_rank(runs):
         assert run["stats"]["kv_free_slots"] - run["before"]["kv_free_slots"] == 160
     assert_ranks_agree(two["before"])
     assert_ranks_agree(two["stats"])  # the same mask on both ranks: the same slots freed
+
+
+def test_palu_tokens_with_two_ranks_equal_one_rank(runs):
+    """Compression: each rank holds the latents of its own head groups (``PaluFactors.shard``)."""
+    one, two = runs["palu", 1], runs["palu", 2]
+    assert two["long"] == one["long"] and two["continued"] == one["continued"]
+    assert one["status"] == two["status"] == "resumed"
+    assert two["stats"]["kv_bytes_per_token"] * 2 == one["stats"]["kv_bytes_per_token"]  # half the heads each
+    assert_ranks_agree(two["stats"])
 
 
 def test_kvzip_ranks_keep_the_same_rows(runs):

@@ -11,7 +11,7 @@ import torch
 from sglang_sparse.core import pruning
 from sglang_sparse.core.tensor_parallel import HeadShards, SingleRank
 from sglang_sparse.methods.kvzip import CONTEXT_KEY
-from toy_engine import HKV, HQ, LAYERS, ToyEngine, qkv
+from toy_engine import HKV, HQ, LAYERS, D, ToyEngine, qkv
 
 # method, options, prompt tokens, prompt chunk, decode steps, starting metadata
 CASES = {
@@ -25,6 +25,9 @@ CASES = {
     "quest": ("quest", {"page_size": 4, "token_budget": 12, "dense_layers": 1}, 60, 16, 3, None),
     "omnikv": ("omnikv", {"filter_layers": "1", "token_budget": 8}, 60, 16, 3, None),
     "kivi": ("kivi", {"bits": 2, "group": 8, "residual": 16}, 100, 32, 12, None),
+    "turboquant": ("turboquant", {"bits": 3, "group": 8, "residual": 16, "seed": 3}, 100, 32, 12, None),
+    "retroinfer": ("retroinfer", {"segment": 32, "tokens_per_cluster": 4, "retrieve": 3, "sinks": 2, "local": 4,
+                                  "kmeans_iters": 5}, 60, 16, 3, None),
 }
 
 
@@ -44,6 +47,8 @@ def _views(views) -> list:
             out.append((layer, "page_ids", v.page_ids.clone()))
         elif hasattr(v, "sel_rows"):  # OmniKV: [B, N] rows shared by every head
             out.append((layer, "sel_rows", v.sel_rows.clone()))
+        elif hasattr(v, "attend"):  # the method computes attention itself (RetroInfer): [B, H_q, d]
+            out.append((layer, "out", v.attend(D ** -0.5).clone()))
     return out
 
 

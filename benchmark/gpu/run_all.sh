@@ -18,6 +18,7 @@
 #   tests-online    H2O and R-KV: scores accumulated inside the decode graphs == eager evictions
 #   tests-skipkv    SkipKV alone of the above (~2 min)
 #   tests-kvzip     KVzip: probe + compaction on the GPU, graphs == eager (~3 min, est.)
+#   tests-retroinfer  RetroInfer: eager decode through the pinned host tier, all clusters == dense (~3 min, est.)
 #   tests-compile-quest  Quest alone with --enable-torch-compile == eager (a 400 s start allowed)
 # Benchmarks:
 #   kernels   sgl-kernel-sparse microbenchmarks (bandwidth against the HBM ceiling)      ~2 min
@@ -85,6 +86,8 @@ for stage in "$@"; do
       gpu_tests "$stage" $(ls test/test_turboquant_kernel.py test/test_flashprefill_kernels.py 2>/dev/null) ;;
     tests-turboquant)
       gpu_tests "$stage" test/test_gpu_payload.py -k turboquant ;;
+    tests-retroinfer)  # issue 15: RetroInfer's eager decode and pinned host tier on CUDA (~3 min, est.)
+      gpu_tests "$stage" test/test_gpu_payload.py -k retroinfer ;;
     tests-omnikv)
       gpu_tests "$stage-kernels" test/test_sparse_kernels.py -k omnikv
       gpu_tests "$stage" test/test_gpu_server.py -k "omnikv and not torch_compile" ;;

@@ -90,14 +90,17 @@ def _layout(config: dict) -> tuple[int, int, int, int]:
     return int(config["num_hidden_layers"]), kv, head_dim, hidden
 
 
-def _check_engine_flags(argv: list[str]) -> None:
+def _check_engine_flags(argv: list[str], kv_heads: int, head_group: int) -> None:
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     p.add_argument(*TP_FLAGS, dest="tp", type=int, default=1)
     p.add_argument("--kv-cache-dtype", default="auto")
     known = p.parse_known_args(argv)[0]
-    if known.tp != 1:
-        raise ConfigError(f"--sparse-method palu runs on one GPU or the CPU (tensor parallelism {known.tp} is not "
-                          "supported: its factors are per KV head group of the whole layer)")
+    # tensor parallelism: rank r holds KV heads [r*h, (r+1)*h), h = kv_heads / tp; its share of the
+    # factors is whole head groups, so each group's heads must live on one rank
+    if known.tp > 1 and (kv_heads % known.tp or (kv_heads // known.tp) % head_group):
+        raise ConfigError(f"--sparse-method palu with --tp-size {known.tp} needs whole KV head groups on each rank: "
+                          f"the model's {kv_heads} KV heads split into {known.tp} equal shares, each a multiple of "
+                          f"--sparse-head-group {head_group}")
     if known.kv_cache_dtype != "auto":
         raise ConfigError(f"--sparse-method palu recovers latents from the pool's rows and needs the model's KV "
                           f"dtype (got --kv-cache-dtype {known.kv_cache_dtype}); drop the flag")
@@ -121,8 +124,8 @@ def prepare_palu(config, model_dir: str | Path, argv: list[str], log) -> dict:
     """Check the model-dependent values, then find or compute the full-rank factors; returns
     ``{"palu_factors": path}``. Raises ConfigError with a sentence."""
     model_dir = Path(model_dir)
-    _check_engine_flags(argv)
     hf = _model_config(model_dir)
+    _check_engine_flags(argv, _layout(hf)[1], config.head_group)
     if hf.get("model_type") in QK_NORM_MODELS and config.head_group != 1:
         raise ConfigError(f"--sparse-head-group {config.head_group} does not fit {hf.get('model_type')} models: a "
                           "per-head k_norm sits between the projection and RoPE, so only per-head factors "

@@ -146,6 +146,23 @@ class PaluFactors:
         return PaluFactors(self.rank, self.n_groups, self.head_group, self.head_dim, self.a, bk, self.bv, pk,
                            self.pinv_v, self.bias_k, self.bias_v)
 
+    def shard(self, rank: int, size: int) -> PaluFactors:
+        """Tensor-parallel rank ``rank`` of ``size``: the factors of its KV heads, groups
+        ``[rank*n, (rank+1)*n)`` with ``n = n_groups / size`` (SGLang gives rank r heads
+        ``[r*h, (r+1)*h)``; the caller checked that groups do not straddle ranks). ``a``'s K and V
+        halves each keep those groups' columns; biases are set afterwards from the rank's own
+        projection."""
+        if size == 1:
+            return self
+        n, r = self.n_groups // size, self.rank
+        cols = torch.arange(rank * n * r, (rank + 1) * n * r)
+        half = self.n_groups * r
+        pick = lambda xs: [x[rank * n: (rank + 1) * n].contiguous() for x in xs]  # noqa: E731
+        a = [x[:, torch.cat([cols, cols + half])].contiguous() for x in self.a]
+        none = [None] * self.num_layers
+        return PaluFactors(r, n, self.head_group, self.head_dim, a, pick(self.bk), pick(self.bv), pick(self.pinv_k),
+                           pick(self.pinv_v), list(none), list(none))
+
     def to(self, device) -> PaluFactors:
         mv = lambda xs: [None if x is None else x.to(device) for x in xs]  # noqa: E731
         return PaluFactors(self.rank, self.n_groups, self.head_group, self.head_dim, mv(self.a), mv(self.bk),

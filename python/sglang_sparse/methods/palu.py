@@ -188,10 +188,12 @@ class PaluRuntime(KIVIRuntime):
 
     @classmethod
     def projection_factors(cls, config, artifacts: dict, num_layers: int, kv_heads: int,
-                           head_dim: int, loaded_kv=None) -> PaluFactors:
+                           head_dim: int, loaded_kv=None, shard: tuple[int, int] = (0, 1)) -> PaluFactors:
         """The cached full-rank factors (``artifacts["palu_factors"]``) cut to this ratio's rank;
         with ``--load-format dummy`` (``artifacts.LOADED_WEIGHTS``) a plain SVD of the loaded
-        weights, ``loaded_kv()`` = ``[(W_k, W_v)]`` per layer, on their device."""
+        weights, ``loaded_kv()`` = ``[(W_k, W_v)]`` per layer, on their device. ``shard``
+        ``(rank, size)``: a tensor-parallel rank keeps its own heads' groups (``PaluFactors.shard``;
+        the loaded weights are already its own)."""
         from sglang_sparse import artifacts as store
 
         if "palu_factors" not in artifacts:
@@ -201,6 +203,6 @@ class PaluRuntime(KIVIRuntime):
         if artifacts["palu_factors"] == store.LOADED_WEIGHTS:
             layers = [{k: t.cpu() for k, t in full_factors(wk, wv, None, config.head_group, head_dim).items()}
                       for wk, wv in loaded_kv()]
-        else:
-            layers = store.load_palu(artifacts["palu_factors"], num_layers)
-        return PaluFactors.from_full(layers, rank, config.head_group, head_dim)
+            return PaluFactors.from_full(layers, rank, config.head_group, head_dim)
+        layers = store.load_palu(artifacts["palu_factors"], num_layers)
+        return PaluFactors.from_full(layers, rank, config.head_group, head_dim).shard(*shard)

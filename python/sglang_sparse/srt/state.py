@@ -64,7 +64,6 @@ class SchedulerState:
     chain_fingerprint: str = ""  # model + method + options: what a chain must match to resume
     prune_jobs: dict[str, Job] = field(default_factory=dict)  # planned pruning jobs by id
     probe_rows: dict[int, Job] = field(default_factory=dict)  # req_to_token rows of running probes
-    prune_ids: Any = field(default_factory=lambda: itertools.count(1))
     refused_head: str | None = None  # the waiting queue's head at the last admission round
     integrity_violations: int = 0  # failed every-step censuses (cache/integrity.py)
     metrics: Any = None  # metrics.SchedulerMetrics once --enable-metrics is seen
@@ -83,6 +82,7 @@ class HttpState:
     prunes: dict[str, dict] = field(default_factory=dict)  # /prune job records (newest KEEP_RECORDS)
     prune_tasks: set = field(default_factory=set)  # running /prune coroutines (kept referenced)
     local_ids: Any = field(default_factory=lambda: itertools.count(1))
+    prune_ids: Any = field(default_factory=lambda: itertools.count(1))  # /prune job ids (all DP ranks)
     prune_gauge: Any = None  # metrics' prune-job gauge
     inflight: dict[str, tuple[str, Any]] = field(default_factory=dict)  # chain id -> (rid, HTTP request)
     probe_hidden: dict[str, int] = field(default_factory=dict)  # rid -> engine-probe tokens (api/probe.py)

@@ -57,8 +57,11 @@ def scheduler_stats(scheduler) -> dict | None:
     tiers = runtime.tier_stats()  # a host tier besides the device (RetroInfer); never in kv_bytes_*
     host = {} if tiers is None else {"host_bytes_total": tiers["host_bytes_total"],
                                      "host_bytes_used": tiers["host_bytes_used"], "tiers": tiers}
+    from sglang.srt.runtime_context import get_parallel
+
     return {
         "method": stats["method"],
+        "dp_rank": int(getattr(get_parallel(), "dp_rank", None) or 0),  # this scheduler's data-parallel rank
         "kv_total_slots": total,
         "kv_free_slots": free,
         "kv_bytes_per_token": per_slot if per_token is None else round(per_token, 2),
@@ -185,11 +188,13 @@ async def sparse_info():
 
 
 async def sparse_stats():
-    """GET /sparse/stats: KV accounting and method counters of scheduler 0 (``per_rank`` all)."""
+    """GET /sparse/stats: KV accounting and method counters of scheduler 0 (``per_rank`` all, in
+    data-parallel rank order)."""
     from sglang.srt.entrypoints.http_server import get_global_state
 
     states = await get_global_state().tokenizer_manager.get_internal_state()
     per_rank = [(s.get("sglang_sparse") or {}).get("stats") for s in states]
+    per_rank.sort(key=lambda s: (s or {}).get("dp_rank", 0))  # readbacks arrive in any order
     return {**(per_rank[0] or {}), "per_rank": per_rank}
 
 

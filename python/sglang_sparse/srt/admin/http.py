@@ -68,9 +68,9 @@ async def json_body(request) -> dict:
     return body
 
 
-async def call(op) -> dict:
-    """Run an admin operation (``admin/ops.py``) in the scheduler and return its result; a
-    result with an HTTP status >= 400 is raised as RequestError."""
+async def call_all(op) -> list[dict]:
+    """Run an admin operation (``admin/ops.py``) on every data-parallel rank; their results in
+    rank order (refusals included, as ``{"status": code, "message": ...}``)."""
     from sglang.srt.entrypoints.http_server import get_global_state
     from sglang.srt.managers.io_struct import DumperControlReqInput
 
@@ -83,18 +83,31 @@ async def call(op) -> dict:
             raise RequestError("", f"the admin operation {type(op).__name__} failed in the scheduler; the server "
                                    "log has the details", status=500)
         results.append(out.response[0])
-    result = pick_rank_result(results)
-    if isinstance(result.get("status"), int) and result["status"] >= 400:
+    return results
+
+
+def refused(result: dict) -> bool:
+    return isinstance(result.get("status"), int) and result["status"] >= 400
+
+
+def raise_refusal(result: dict) -> dict:
+    """``result`` unless it is a refusal: then the RequestError it carries."""
+    if refused(result):
         raise RequestError(result.get("param") or "", result["message"], status=result["status"])
     return result
+
+
+async def call(op) -> dict:
+    """Run an admin operation in the scheduler(s) and return the answer of the rank that did
+    something (``pick_rank_result``); a refusal is raised as RequestError."""
+    return raise_refusal(pick_rank_result(await call_all(op)))
 
 
 def pick_rank_result(results: list[dict]) -> dict:
     """The answer of the rank that did something: the first success; else the most specific
     refusal (a rank that holds the object, e.g. 409 busy or 410 gone, over the 404s of the ranks
     that do not know it)."""
-    failed = lambda r: isinstance(r.get("status"), int) and r["status"] >= 400  # noqa: E731
-    ok = [r for r in results if not failed(r)]
+    ok = [r for r in results if not refused(r)]
     if ok:
         return ok[0]
     known = [r for r in results if r["status"] != 404]

@@ -42,8 +42,11 @@ class RequestRetention:
 
 @dataclass(frozen=True)
 class PrunePlan:
-    """``POST /prune`` step 1: check the intervals, remember what they retain."""
+    """``POST /prune`` step 1: check the intervals, remember what they retain. ``prune_id`` is
+    minted by the HTTP process, so every data-parallel rank that caches the prefix plans its job
+    under the same id."""
 
+    prune_id: str
     token_ids: list
     ranges: list
     policy: str

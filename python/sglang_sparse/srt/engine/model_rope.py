@@ -17,8 +17,6 @@ def model_rope(model_runner) -> RopeTable:
     for m in model_runner.model.modules():
         rope = getattr(m, "rotary_emb", None)
         if rope is not None and hasattr(rope, "cos_sin_cache") and hasattr(m, "attn"):
-            if getattr(getattr(m, "qkv_proj", None), "tp_size", 1) != 1:
-                raise RuntimeError("the method stores pre-RoPE keys and does not support tensor parallelism")
             return RopeTable(rope.cos_sin_cache.detach().float(), bool(rope.is_neox_style))
     raise RuntimeError(f"no attention module with a rotary_emb.cos_sin_cache in {type(model_runner.model).__name__}: "
                        "the method needs the model's RoPE table")

@@ -17,7 +17,8 @@ prepared, ``config["artifacts"]``, and cuts it to the configured rank); the runt
 the model's RoPE table through ``STATE.scheduler.model_info`` (``controller.ensure_controller`` calls
 ``bind_model``). A per-head ``k_norm`` between the projection and RoPE (Qwen3,
 ``forward_prepare_native``) is allowed with per-head factors: the runtime gets factors whose keys
-carry its weight (``PaluFactors.with_key_gain``); tensor parallelism is refused.
+carry its weight (``PaluFactors.with_key_gain``). Under tensor parallelism each rank's hook holds
+the factors of its own KV head groups (``PaluFactors.shard``).
 """
 
 from __future__ import annotations
@@ -73,10 +74,16 @@ def after_load_model(result, model_runner, *args, **kwargs):
         raise RuntimeError(f"--sparse-method {method}: no attention module with qkv_proj / q_size / kv_size / "
                            f"rotary_emb in {type(model_runner.model).__name__}; the projection hook cannot be "
                            "installed")
-    for m in attns:
-        if getattr(m.qkv_proj, "tp_size", 1) != 1:
-            raise RuntimeError(f"--sparse-method {method} does not support tensor parallelism")
     first = attns[0]
+    # tensor parallelism: this rank's qkv_proj computes its own KV heads, so it takes its share of
+    # the factors (the launcher checked that head groups do not straddle ranks)
+    from sglang.srt.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    shard = (int(group.rank_in_group), int(group.world_size))
+    if shard[1] > 1 and first.num_kv_heads * shard[1] != first.total_num_kv_heads:
+        raise RuntimeError(f"--sparse-method {method}: {first.total_num_kv_heads} KV heads are replicated over "
+                           f"{shard[1]} ranks; the factors need each head on one rank")
     head_dim = first.kv_size // first.num_kv_heads
 
     def loaded_kv():  # [(W_k, W_v)] of every layer: the weights SGLang loaded (--load-format dummy)
@@ -84,7 +91,7 @@ def after_load_model(result, model_runner, *args, **kwargs):
                  m.qkv_proj.weight[m.q_size + m.kv_size: m.q_size + 2 * m.kv_size].detach()) for m in attns]
 
     factors = runtime_cls.projection_factors(cfg, config.get("artifacts") or {}, len(attns), first.num_kv_heads,
-                                             head_dim, loaded_kv)
+                                             head_dim, loaded_kv, shard)
     device = next(model_runner.model.parameters()).device
     for i, m in enumerate(attns):
         if m.attn.layer_id != i:

@@ -23,7 +23,7 @@ from fastapi import Request  # the handlers' annotation (FastAPI resolves it by 
 from sglang_sparse.core.pruning import POLICIES
 from sglang_sparse.srt import metrics
 from sglang_sparse.srt.admin import ops
-from sglang_sparse.srt.admin.http import admin_route, call, json_body
+from sglang_sparse.srt.admin.http import admin_route, call, call_all, json_body, pick_rank_result, raise_refusal
 from sglang_sparse.srt.state import STATE
 from sglang_sparse.validation import (RequestError, expect_bool, expect_int, expect_messages,
                                       expect_number, expect_token_ids, is_int, optional_str, show)
@@ -100,23 +100,52 @@ def _probe_ids(plan: dict, tokens: list[int], policy: str) -> list[int]:
     return ids
 
 
-async def _run(record: dict, tokens: list[int], policy: str) -> None:
+async def _probe(record: dict, ids: list[int], rank: int | None) -> None:
+    """Prefill the probe on one data-parallel rank (``rank`` None: one scheduler)."""
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     from sglang_sparse.srt.prune.job import PROBE_KEY
 
     pid = record["prune_id"]
+    probe = GenerateReqInput(
+        input_ids=ids, rid=f"{pid}-probe" if rank is None else f"{pid}-probe-r{rank}",
+        sampling_params={"max_new_tokens": 1, "temperature": 0, "custom_params": {PROBE_KEY: pid}})
+    if rank is not None:
+        probe.routed_dp_rank = rank  # the job lives on that rank's scheduler, with its cached prefix
+    async for _ in _tokenizer_manager().generate_request(probe, None):
+        pass
+
+
+def _merge(applied: list[dict]) -> dict:
+    """One record from the ranks that applied the job: freed slots add up; retained tokens are
+    each rank's copy of the prefix (the same mask rule, each over its own scores)."""
+    if len(applied) == 1:
+        return applied[0]
+    done = all(r.get("status") == "completed" for r in applied)
+    out = {"status": "completed" if done else "failed", "per_rank": applied,
+           "freed_slots": sum(r.get("freed_slots", 0) for r in applied)}
+    if done:
+        out["retained_tokens"] = applied[0]["retained_tokens"]
+    else:
+        out["reason"] = next(r.get("reason") for r in applied if r.get("status") != "completed")
+    return out
+
+
+async def _run(record: dict, tokens: list[int], policy: str, ranks: list[int] | None) -> None:
+    """Probe, then apply, on every rank that planned the job (``ranks`` None: one scheduler)."""
+    pid = record["prune_id"]
     record["status"] = "running"
     metrics.prune_jobs_changed(STATE.http.prunes.values())
     try:
-        probe = GenerateReqInput(
-            input_ids=_probe_ids(record, tokens, policy), rid=f"{pid}-probe",
-            sampling_params={"max_new_tokens": 1, "temperature": 0,
-                             "custom_params": {PROBE_KEY: pid}})
-        async for _ in _tokenizer_manager().generate_request(probe, None):
-            pass
-        result = await call(ops.PruneApply(pid))
-        record.update(result)
+        ids = _probe_ids(record, tokens, policy)
+        await asyncio.gather(*(_probe(record, ids, r) for r in (ranks or [None])))
+        results = await call_all(ops.PruneApply(pid))
+        if ranks is None:
+            record.update(raise_refusal(results[0]))
+            record.pop("dp_rank", None)
+        else:  # the ranks that held the job (the others answer 404, unknown job)
+            applied = sorted((r for r in results if r.get("dp_rank") in ranks), key=lambda r: r["dp_rank"])
+            record.update(_merge(applied) if applied else raise_refusal(pick_rank_result(results)))
         metrics.prune_jobs_changed(STATE.http.prunes.values())
     except Exception as err:  # noqa: BLE001 - reported in the record
         record.update(status="failed", reason=getattr(err, "message", None) or type(err).__name__)
@@ -139,11 +168,21 @@ async def prune(request: Request):
         raise RequestError("policy", f"unknown policy {show(policy)}: policy must be one of {', '.join(POLICIES)}")
     wait = expect_bool("wait", body.get("wait", False))
     ranges = _ranges(body.get("ranges"))
-    plan = await call(ops.PrunePlan(tokens, ranges, policy, **_target(body), **_namespace(body)))
+    pid = f"prune-{next(STATE.http.prune_ids)}"
+    plans = await call_all(ops.PrunePlan(pid, tokens, ranges, policy, **_target(body), **_namespace(body)))
+    # with --dp-size N every rank has its own radix tree: the job runs on each rank that caches the
+    # prefix (its probe routed there); a rank without it refuses (404) and is left out
+    queued = sorted((p for p in plans if p.get("status") == "queued"), key=lambda p: p["dp_rank"])
+    planned = [p["dp_rank"] for p in queued]
+    plan = queued[0] if queued else raise_refusal(pick_rank_result(plans))
+    ranks = planned if len(plans) > 1 else None
     ranges = sorted(tuple(r) for r in ranges)
-    record = {"prune_id": plan.get("prune_id") or f"prune-blocked-{next(STATE.http.local_ids)}", "policy": policy,
+    record = {"prune_id": pid if planned else f"prune-blocked-{next(STATE.http.local_ids)}", "policy": policy,
               "ranges": [list(r) for r in ranges],
               "original_tokens": sum(b - a for a, b in ranges), **plan}
+    record.pop("dp_rank", None)
+    if ranks is not None:
+        record["dp_ranks"] = ranks
     record["retained_before"] = record.pop("retained_tokens", None)
     prunes = STATE.http.prunes
     prunes[record["prune_id"]] = record
@@ -153,7 +192,7 @@ async def prune(request: Request):
     if plan["status"] == "blocked":
         return JSONResponse(record, status_code=200 if wait else 202)
     record["retained_tokens"] = record["retained_before"]
-    task = asyncio.ensure_future(_run(record, tokens, policy))
+    task = asyncio.ensure_future(_run(record, tokens, policy, ranks))
     STATE.http.prune_tasks.add(task)
     task.add_done_callback(STATE.http.prune_tasks.discard)
     if wait:

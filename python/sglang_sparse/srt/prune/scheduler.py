@@ -103,10 +103,17 @@ def plan(scheduler, op: PrunePlan) -> dict:
             raise PruneError(400, "the snapkv policy observes the interval from the tokens after it; "
                                   "the sequence ends where the last interval does (use kvzip)")
         cap = len(tokens) - window
-    prune_id = f"prune-{next(STATE.scheduler.prune_ids)}"
+    prune_id = op.prune_id
     STATE.scheduler.prune_jobs[prune_id] = Job(prune_id, tokens, ns, ranges, policy, keep, positions, slots, cap)
     return {"status": "queued", "prune_id": prune_id, "original_tokens": sum(b - a for a, b in ranges),
-            "retained_tokens": int(positions.numel()), "keep_tokens": keep}
+            "retained_tokens": int(positions.numel()), "keep_tokens": keep, "dp_rank": dp_rank()}
+
+
+def dp_rank() -> int:
+    """This scheduler's data-parallel rank (answers to an admin operation arrive in any order)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    return int(getattr(get_parallel(), "dp_rank", None) or 0)
 
 
 # -- probe -----------------------------------------------------------------------------------------
@@ -175,6 +182,13 @@ def capture(backend, q, layer, forward_batch) -> None:
 
 # -- apply -----------------------------------------------------------------------------------------
 def apply(scheduler, op: PruneApply) -> dict:
+    result = _apply(scheduler, op)
+    if "status" in result and not isinstance(result["status"], int):
+        result["dp_rank"] = dp_rank()
+    return result
+
+
+def _apply(scheduler, op: PruneApply) -> dict:
     job = STATE.scheduler.prune_jobs.pop(op.prune_id, None)
     if job is None:
         raise PruneError(404, f"unknown pruning job {op.prune_id!r}")
