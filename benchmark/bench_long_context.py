@@ -61,6 +61,9 @@ GPU_FLAGS = ["--load-format", "dummy", "--attention-backend", "triton", "--sampl
 ONLINE_INTERVAL = {"h2o": 32, "rkv": 128, "skipkv": 32}  # rows past the budget before the next eviction
 
 
+RETRO_HOST_MB = 40_000  # RetroInfer's host tier: 8 x 32K prompts of the 8B shape (4.8 GB each)
+
+
 def variant(name: str, budget: int, prompt_len: int = 32768) -> tuple[str, list[str]]:
     """(module, extra flags) of a variant; sparse methods get ``budget`` tokens (KVzip: the keep
     ratio ``budget / prompt_len``, the same number of context entries on average per head)."""
@@ -99,6 +102,11 @@ def variant(name: str, budget: int, prompt_len: int = 32768) -> tuple[str, list[
         "palu": ["--sparse-method", "palu", "--sparse-ratio", "0.5", "--sparse-whiten", "off", "--chain-cache", "off"],
         "palu-0.75": ["--sparse-method", "palu", "--sparse-ratio", "0.75", "--sparse-whiten", "off", "--chain-cache",
                       "off"],
+        # budget / 16 clusters of 16 tokens per query head; the cold rows of up to 8 prompts in the
+        # pinned host tier; decode is eager (Python per layer), so no decode CUDA graphs
+        "retroinfer": ["--sparse-method", "retroinfer", "--sparse-retrieve", str(max(1, budget // 16)),
+                       "--sparse-tokens-per-cluster", "16", "--sparse-host-mb", str(RETRO_HOST_MB),
+                       "--disable-cuda-graph"],
     }[name]
     return ("sglang.launch_server" if name == "plain" else "sglang_sparse.launch_server"), flags
 

@@ -18,7 +18,8 @@
 #   tests-online    H2O and R-KV: scores accumulated inside the decode graphs == eager evictions
 #   tests-skipkv    SkipKV alone of the above (~2 min)
 #   tests-kvzip     KVzip: probe + compaction on the GPU, graphs == eager (~3 min, est.)
-#   tests-retroinfer  RetroInfer: eager decode through the pinned host tier, all clusters == dense (~3 min, est.)
+#   tests-retroinfer  RetroInfer: eager decode through the pinned host tier, all clusters == dense (247 s, 2026-12-04)
+#   matched-retroinfer  RetroInfer at 32K, batch 1 / 2, next to dense tuned over 16 / 64 splits (~8 min, est.)
 #   tests-compile-quest  Quest alone with --enable-torch-compile == eager (a 400 s start allowed)
 # Benchmarks:
 #   kernels   sgl-kernel-sparse microbenchmarks (bandwidth against the HBM ceiling)      ~2 min
@@ -86,6 +87,10 @@ for stage in "$@"; do
       gpu_tests "$stage" $(ls test/test_turboquant_kernel.py test/test_flashprefill_kernels.py 2>/dev/null) ;;
     tests-turboquant)
       gpu_tests "$stage" test/test_gpu_payload.py -k turboquant ;;
+    matched-retroinfer)  # issue 15: RetroInfer (eager decode, pinned host tier) next to tuned dense, 32K, batch 1 / 2
+      timeout 560 python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 32768 --output-len 64 \
+        --batches 1 2 --methods retroinfer dense --tune dense --kv-splits 16 64 --timeout 240 \
+        --out "$OUT/long_matched_32k_retroinfer.json" -- --cuda-graph-bs-decode 1 2 2>&1 | tee "$OUT/$stage.txt" ;;
     tests-retroinfer)  # issue 15: RetroInfer's eager decode and pinned host tier on CUDA (~3 min, est.)
       gpu_tests "$stage" test/test_gpu_payload.py -k retroinfer ;;
     tests-omnikv)
