@@ -19,7 +19,8 @@
 #   tests-skipkv    SkipKV alone of the above (~2 min)
 #   tests-kvzip     KVzip: probe + compaction on the GPU, graphs == eager (~3 min, est.)
 #   tests-retroinfer  RetroInfer: eager decode through the pinned host tier, all clusters == dense (247 s, 2026-12-04)
-#   matched-retroinfer  RetroInfer at 32K, batch 1 / 2, next to dense tuned over 16 / 64 splits (~8 min, est.)
+#   matched-retroinfer  RetroInfer at 32K, batch 1 / 2, next to dense tuned over 16 / 64 splits (271 s, 2026-12-04:
+#                   RetroInfer measured nothing, its eager retrieval decodes at ~0.2 tok/s on the 8B shape)
 #   tests-compile-quest  Quest alone with --enable-torch-compile == eager (a 400 s start allowed)
 # Benchmarks:
 #   kernels   sgl-kernel-sparse microbenchmarks (bandwidth against the HBM ceiling)      ~2 min
