@@ -33,6 +33,7 @@ import os
 import sys
 from pathlib import Path
 
+from sglang_sparse.artifacts import TP_FLAGS
 from sglang_sparse.config import parse_sparse_args
 from sglang_sparse.core import kv_budget
 from sglang_sparse.core.logical_tree import UNSUPPORTED_EVICTION_POLICIES
@@ -58,7 +59,7 @@ def _given_flags(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--disable-cuda-graph", action="store_true")
     parser.add_argument("--cuda-graph-backend-prefill")
     parser.add_argument("--page-size", type=int)
-    parser.add_argument("--tp-size", "--tp", "--tensor-parallel-size", dest="tp_size", type=int, default=1)
+    parser.add_argument(*TP_FLAGS, dest="tp_size", type=int, default=1)
     parser.add_argument("--dp-size", "--dp", "--data-parallel-size", dest="dp_size", type=int, default=1)
     parser.add_argument("--pp-size", "--pp", "--pipeline-parallel-size", dest="pp_size", type=int, default=1)
     known, _ = parser.parse_known_args(argv)

@@ -57,11 +57,11 @@ def scheduler_stats(scheduler) -> dict | None:
     tiers = runtime.tier_stats()  # a host tier besides the device (RetroInfer); never in kv_bytes_*
     host = {} if tiers is None else {"host_bytes_total": tiers["host_bytes_total"],
                                      "host_bytes_used": tiers["host_bytes_used"], "tiers": tiers}
-    from sglang.srt.runtime_context import get_parallel
+    from sglang_sparse.srt.parallel import dp_rank
 
     return {
         "method": stats["method"],
-        "dp_rank": int(getattr(get_parallel(), "dp_rank", None) or 0),  # this scheduler's data-parallel rank
+        "dp_rank": dp_rank(),  # this scheduler's data-parallel rank
         "kv_total_slots": total,
         "kv_free_slots": free,
         "kv_bytes_per_token": per_slot if per_token is None else round(per_token, 2),

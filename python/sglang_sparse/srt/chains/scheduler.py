@@ -65,11 +65,10 @@ def chain_id_prefix(replica: str | None = None) -> str:
     unique across ranks and a continuation can be routed to the rank that holds its chain
     (``api/generate.py``, ``core.chain_index.dp_rank_of``); ``--chain-replica NAME`` puts the
     server's name in front (``chain-NAME-...``) so ids are unique across replicas too."""
-    from sglang.srt.runtime_context import get_parallel
+    from sglang_sparse.srt.parallel import dp_ranks
 
-    par = get_parallel()
-    ranks, rank = getattr(par, "num_dp_ranks", None) or 1, getattr(par, "dp_rank", None)
-    return make_prefix(replica, int(rank or 0) if int(ranks) > 1 else None)
+    rank, ranks = dp_ranks()
+    return make_prefix(replica, rank if ranks > 1 else None)
 
 
 def _free_payload(store, payload) -> None:

@@ -26,6 +26,7 @@ from sgl_kernel_sparse.reference import SNAPKV_WINDOW, attention_probs
 from sglang_sparse.core import pruning
 from sglang_sparse.core.logical_tree import PruneBlocked
 from sglang_sparse.srt.admin.ops import PrefixDelete, PrefixInspect, PrefixPriority, PruneApply, PruneForget, PrunePlan
+from sglang_sparse.srt.parallel import dp_rank  # answers to an admin operation arrive in any rank order
 from sglang_sparse.srt.prune.job import PROBE_KEY, Job
 from sglang_sparse.srt.state import STATE, sparse
 
@@ -107,13 +108,6 @@ def plan(scheduler, op: PrunePlan) -> dict:
     STATE.scheduler.prune_jobs[prune_id] = Job(prune_id, tokens, ns, ranges, policy, keep, positions, slots, cap)
     return {"status": "queued", "prune_id": prune_id, "original_tokens": sum(b - a for a, b in ranges),
             "retained_tokens": int(positions.numel()), "keep_tokens": keep, "dp_rank": dp_rank()}
-
-
-def dp_rank() -> int:
-    """This scheduler's data-parallel rank (answers to an admin operation arrive in any order)."""
-    from sglang.srt.runtime_context import get_parallel
-
-    return int(getattr(get_parallel(), "dp_rank", None) or 0)
 
 
 # -- probe -----------------------------------------------------------------------------------------
