@@ -61,7 +61,10 @@ GPU_FLAGS = ["--load-format", "dummy", "--attention-backend", "triton", "--sampl
 ONLINE_INTERVAL = {"h2o": 32, "rkv": 128, "skipkv": 32}  # rows past the budget before the next eviction
 
 
-RETRO_HOST_MB = 40_000  # RetroInfer's host tier: 8 x 32K prompts of the 8B shape (4.8 GB each)
+# RetroInfer's tiers (--retro-*): the pinned host tier (40 GB: 8 x 32K prompts of the 8B shape,
+# 4.8 GB each), the device page cache (4M rows of one KV head: 2 GiB at bf16, d 128) and the
+# device memory for indexes; the cache and the index budget come out of its pool (pool_tokens)
+RETRO = {"host_mb": 40_000, "cache_rows": 4 * 2 ** 20, "index_mb": 8192}
 
 
 def variant(name: str, budget: int, prompt_len: int = 32768) -> tuple[str, list[str]]:
@@ -102,10 +105,12 @@ def variant(name: str, budget: int, prompt_len: int = 32768) -> tuple[str, list[
         "palu": ["--sparse-method", "palu", "--sparse-ratio", "0.5", "--sparse-whiten", "off", "--chain-cache", "off"],
         "palu-0.75": ["--sparse-method", "palu", "--sparse-ratio", "0.75", "--sparse-whiten", "off", "--chain-cache",
                       "off"],
-        # budget / 16 clusters of 16 tokens per query head; the cold rows of up to 8 prompts in the
-        # pinned host tier; decode is eager (Python per layer), so no decode CUDA graphs
+        # budget / 16 clusters of 16 tokens per query head; the cold rows of up to 8 32K prompts in
+        # the pinned host tier, a 2 GiB device page cache, 8 GiB for indexes; decode is eager
+        # (Python per layer and request, one host sync per layer), so no decode CUDA graphs
         "retroinfer": ["--sparse-method", "retroinfer", "--sparse-retrieve", str(max(1, budget // 16)),
-                       "--sparse-tokens-per-cluster", "16", "--sparse-host-mb", str(RETRO_HOST_MB),
+                       "--sparse-tokens-per-cluster", "16", "--sparse-host-mb", str(RETRO["host_mb"]),
+                       "--sparse-cache-rows", str(RETRO["cache_rows"]), "--sparse-index-mb", str(RETRO["index_mb"]),
                        "--disable-cuda-graph"],
     }[name]
     return ("sglang.launch_server" if name == "plain" else "sglang_sparse.launch_server"), flags
@@ -202,8 +207,43 @@ def server(name: str, args, extra: list[str]) -> ServerProcess:  # noqa: D401
 
 def pool_tokens(name: str, args) -> int:
     """KV pool in tokens for the same bytes as ``--pool`` tokens at the model's precision (fp8
-    stores a token in half the bytes, so twice the tokens)."""
+    stores a token in half the bytes, so twice the tokens; RetroInfer's device page cache and
+    index budget are paid for with pool tokens, so its device memory is dense's)."""
+    if name == "retroinfer":
+        return args.pool - -(-(retro_cache_bytes(args) + RETRO["index_mb"] * 2 ** 20) // token_bytes(args))
     return 2 * args.pool if name == "fp8" else args.pool
+
+
+def model_shape(args) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of the model."""
+    cfg = json.loads((Path(args.model_path) / "config.json").read_text())
+    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"], cfg["num_key_value_heads"], d
+
+
+def token_bytes(args) -> int:
+    layers, heads, d = model_shape(args)
+    return 2 * 2 * layers * heads * d  # bf16 K and V of one token
+
+
+def retro_cache_bytes(args) -> int:
+    return RETRO["cache_rows"] * 2 * 2 * model_shape(args)[2]  # K and V rows of one KV head, bf16
+
+
+def retro_batch(args) -> int:
+    """RetroInfer's resident requests: each needs its cold rows in the host tier and its index in
+    the index budget; its pool holds the prompt being prefilled plus sinks + local + output rows
+    of every other one (``methods/retroinfer.py``: 4 + 64)."""
+    from sglang_sparse.methods.retroinfer import RetroInferConfig
+
+    c = RetroInferConfig(tokens_per_cluster=16)
+    layers, heads, d = model_shape(args)
+    cold = args.prompt_len - c.sinks - c.local
+    clusters = sum(-(-min(c.segment, cold - s) // c.tokens_per_cluster) for s in range(0, cold, c.segment))
+    index = layers * heads * clusters * (2 * d * 2 + 4)
+    host = cold * token_bytes(args)
+    by_pool = (pool_tokens("retroinfer", args) - args.prompt_len) // (c.sinks + c.local + args.output_len) + 1
+    return min(RETRO["index_mb"] * 2 ** 20 // index, RETRO["host_mb"] * 2 ** 20 // host, by_pool)
 
 
 def capacity_batch(name: str, args) -> int:
@@ -231,6 +271,8 @@ def capacity_batch(name: str, args) -> int:
         # the request being prefilled then holds at most cap + one chunk, not its whole prompt
         held = min(L, cap + chunk) if name in ("h2o", "skipkv") and chunk else L
         return (pool - held) // cap + 1
+    if name == "retroinfer":
+        return retro_batch(args)
     if name in ("kivi", "turboquant", "palu", "palu-0.75"):  # every history in blocks (3/4 of the pool's bytes)
         cfg = json.loads((Path(args.model_path) / "config.json").read_text())
         layers, heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
@@ -359,9 +401,12 @@ def main() -> None:
                     help="variants swept over --kv-splits (best kept per batch)")
     ap.add_argument("--kv-splits", type=int, nargs="*", default=[],
                     help="values of --triton-attention-num-kv-splits for the --tune variants (none: SGLang's default)")
+    for key, val in RETRO.items():
+        ap.add_argument(f"--retro-{key.replace('_', '-')}", type=int, default=val, help=f"RetroInfer's --sparse-{key}")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
     args = ap.parse_args(argv[:cut])
+    RETRO.update({key: getattr(args, f"retro_{key}") for key in RETRO})
     args.extra = argv[cut + 1 :]  # extra SGLang flags for every server
     methods = args.methods or (["dense", "snapkv"] if args.experiment == "capacity" else ["plain", "dense", "quest"])
     out = args.out or f"long_{args.experiment}_{args.prompt_len}.json"

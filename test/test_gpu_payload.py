@@ -172,12 +172,13 @@ def test_turboquant_decodes_in_graphs_through_the_triton_kernel_and_frees_every_
 def test_retroinfer_serves_on_cuda_through_its_pinned_host_tier(model, request):
     """RetroInfer (issue 15) on the CUDA path, eager decode (``--disable-cuda-graph``): after the
     prompt the cold rows move to pinned host memory and their slots go back to SGLang; decode
-    fetches the retrieved clusters through the device cluster cache. fp32 on both sides: with every
-    cluster retrieved its tokens equal dense eager's; with 16 clusters per query head it decodes
-    from cache hits as well as misses; host rows, cached clusters and slots all come back."""
+    fetches the retrieved clusters through the device page cache (256K rows: every step's 16
+    clusters per query head fit, all of them do not). fp32 on both sides: with every cluster
+    retrieved its tokens equal dense eager's; with 16 clusters per query head it decodes from
+    cache hits as well as misses; host rows, cached pages and slots all come back."""
     base = ["--model-path", model, *COMMON, "--dtype", "float32", "--disable-cuda-graph"]
     retro = ["--sparse-method", "retroinfer", "--sparse-sinks", "4", "--sparse-local", "64",
-             "--sparse-tokens-per-cluster", "16", "--sparse-segment", "2048"]
+             "--sparse-tokens-per-cluster", "16", "--sparse-segment", "2048", "--sparse-cache-rows", str(2 ** 18)]
     batch = prompts(3000, 2)
     dense = start_server(base, request)
     want = [r["output_ids"] for r in generate(dense, batch, n=16)]

@@ -2,8 +2,8 @@
 to the allocator and their K / V to the host tier; a decode layer's output (the method's
 ``ComputedDecodeView``) equals ``sgl_kernel_sparse.retro``'s tripartite attention on the original
 tensors, its retrieved clusters are the top ones by q . centroid (a loop reference), estimation
-brings it close to dense attention where retrieval alone is far; the two tiers (LRU order, hits,
-misses, bytes, copies) and config errors."""
+brings it close to dense attention where retrieval alone is far; the two tiers (page layout,
+CLOCK replacement, hits, misses, bytes, copies, a fetch larger than the pool) and config errors."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from sgl_kernel_sparse.retro import build_wave_index, retro_decode_attention
 
 import single_request as one
 from sglang_sparse.core.events import StepMode
-from sglang_sparse.core.tiered_store import ClusterCache, HostRows
+import numpy as np
+
+from sglang_sparse.core.tiered_store import HostRows, PageCache, page_layout
 from sglang_sparse.core.views import ComputedDecodeView
 from sglang_sparse.methods.retroinfer import LayerIndex, RetroInferRuntime, select_clusters, tripartite
 from sglang_sparse.registry import ConfigError, build_config
@@ -43,6 +45,7 @@ def test_decode_equals_the_tripartite_reference_and_cold_slots_are_released():
     cold = length - c["sinks"] - c["local"]
     assert freed == cold and eng.store.free_count() == free0 - c["sinks"] - c["local"]
     assert rt.host.bytes_used == LAYERS * 2 * cold * HKV * D * 4  # float32 K and V of every cold row
+    assert rt.index_bytes == rt.index_nbytes(cold) == sum(x.nbytes for x in rt.indexes["a"])
     dq, dk, dv, views = decoded(eng)
     for layer in range(LAYERS):
         cold_k, cold_v = k[layer][c["sinks"]: length - c["local"]], v[layer][c["sinks"]: length - c["local"]]
@@ -57,7 +60,7 @@ def test_decode_equals_the_tripartite_reference_and_cold_slots_are_released():
         got = views[layer].attend(SCALE)
         assert got.shape == (1, HQ, D)
         torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-5)
-    assert rt.tiers.misses > 0 and rt.tiers.hits == 0  # every cluster came from the host tier once
+    assert rt.tiers.misses > 0 and rt.tiers.hits == 0  # every page came from the host tier once
     misses = rt.tiers.misses
     views[0].attend(SCALE)  # the same query again: its clusters are on the device now
     assert rt.tiers.misses == misses and rt.tiers.hits > 0
@@ -94,19 +97,23 @@ def clustered_keys(n, centers, noise, seed):
     return k, torch.randn(n, HKV, D, generator=g)
 
 
-def run_tripartite(k, v, res, retrieve, tpc=8):
-    """The method's attention over cold rows ``[0, len - res)`` (indexed, fetched from the original
-    tensors) and resident rows ``[len - res, len)``."""
+def run_tripartite(k, v, res, retrieve, tpc=8, page_rows=3):
+    """The method's attention over cold rows ``[0, len - res)`` (indexed, their K / V in a host
+    tier, read through a page cache) and resident rows ``[len - res, len)``."""
     cold = k.shape[0] - res
     idx = build_wave_index(k[:cold], v[:cold], 64, tpc, 10)
-    layer = LayerIndex(idx.centroids, idx.sizes, idx.value_sums)
+    host = HostRows("cpu", 2 ** 30)
+    in_order = idx.order.unsqueeze(-1).expand(-1, -1, D)
+    host.put("r", 0, k[:cold].transpose(0, 1).gather(1, in_order), v[:cold].transpose(0, 1).gather(1, in_order),
+             idx.offsets)
+    cache = PageCache(host, "cpu", 4096, D, D, torch.float32, page_rows)
+    cache.register("r", 0, idx.sizes)
     q = torch.randn(HQ, D, generator=torch.Generator().manual_seed(9))
-
-    def fetch(g, c):
-        rows = idx.order[g, idx.offsets[g, c]: idx.offsets[g, c + 1]]
-        return k[rows, g], v[rows, g]
-
-    out = tripartite(q, k[cold:], v[cold:], layer, fetch, retrieve, SCALE)
+    picked = select_clusters(q.view(HKV, -1, D), idx.centroids, idx.sizes, retrieve)
+    heads, clusters = picked.any(dim=1).nonzero().T.numpy()
+    pages = cache.gather(cache.fetch("r", 0, heads, clusters), HKV)
+    layer = LayerIndex(idx.centroids, idx.sizes, idx.value_sums)
+    out = tripartite(q, k[cold:], v[cold:], layer, picked, pages, SCALE)
     return q, out, idx
 
 
@@ -152,13 +159,17 @@ def test_a_short_prompt_is_not_indexed_and_decodes_exactly():
         torch.testing.assert_close(views[layer].attend(SCALE)[0], dense(dq[layer][0], kk, vv), rtol=1e-5, atol=1e-5)
 
 
-def test_a_full_host_tier_keeps_the_prompt_resident():
+@pytest.mark.parametrize("full", ["host", "index"])
+def test_a_full_tier_keeps_the_prompt_resident(full):
     q, k, v = qkv(60, seed=5)
-    eng = ToyEngine("retroinfer", KNOBS)
+    eng = ToyEngine("retroinfer", {**KNOBS, "index_mb": 1})
     rt = eng.ctl.runtime
-    rt.host.capacity_bytes = 1000  # less than one layer's cold rows
+    if full == "host":
+        rt.host.capacity_bytes = 1000  # less than one layer's cold rows
+    else:  # the device budget for indexes (1 MiB) is nearly spent
+        rt.index_bytes = 2 ** 20 - rt.index_nbytes(60 - KNOBS["sinks"] - KNOBS["local"]) + 1
     assert eng.prefill("a", 0, q, k, v, chunk=60) == 0
-    assert rt.counters["retro_host_full"] == 1 and rt.host.bytes_used == 0
+    assert rt.counters[f"retro_{full}_full"] == 1 and rt.host.bytes_used == 0 and "a" not in rt.indexes
     dq, dk, dv, views = decoded(eng)
     kk, vv = torch.cat([k[1], dk[1]]), torch.cat([v[1], dv[1]])
     torch.testing.assert_close(views[1].attend(SCALE)[0], dense(dq[1][0], kk, vv), rtol=1e-5, atol=1e-5)
@@ -181,11 +192,14 @@ def test_two_requests_in_one_decode_step():
     out = dict(eng.views)[2].attend(SCALE)
     assert out.shape == (2, HQ, D)
     rt = eng.ctl.runtime
-    for i, rid in enumerate(("a", "b")):  # each request reads its own index and rows
-        single = rt.indexes[rid][2]
+    for i, rid in enumerate(("a", "b")):  # each request reads its own index, pages and rows
+        index = rt.indexes[rid][2]
+        q = dq[2][i]
+        picked = select_clusters(q.view(HKV, -1, D), index.centroids, index.sizes, KNOBS["retrieve"])
+        heads, clusters = picked.any(dim=1).nonzero().T.numpy()
+        pages = rt.tiers.gather(rt.tiers.fetch(rid, 2, heads, clusters), HKV)
         slots = eng.store.row_slots(i, 0, slices[i].row_start + 1)
-        want = tripartite(dq[2][i], eng.store.k[2][slots], eng.store.v[2][slots], single,
-                          lambda g, c, rid=rid: rt.tiers.get(rid, 2, g, c), KNOBS["retrieve"], SCALE)
+        want = tripartite(q, eng.store.k[2][slots], eng.store.v[2][slots], index, picked, pages, SCALE)
         torch.testing.assert_close(out[i], want)
 
 
@@ -199,34 +213,57 @@ def host_with(rows_per_cluster=(2, 3, 1)):
     return host, k
 
 
-def test_cluster_cache_lru_hits_misses_bytes_and_copies():
-    host, k = host_with()
-    row_bytes = 2 * D * 4
-    cache = ClusterCache(host, "cpu", capacity_rows=5, row_bytes=row_bytes)
-    assert cache.bytes_total == 5 * row_bytes
-    ck, cv = cache.get("r", 0, 0, 1)  # rows [2, 5)
-    torch.testing.assert_close(ck, k[0, 2:5])
-    torch.testing.assert_close(cv, -k[0, 2:5])
-    assert ck.data_ptr() != host.layers[("r", 0)].k.data_ptr() + 2 * D * 4  # a copy, not a view
-    cache.get("r", 0, 0, 0)  # rows [0, 2): 5 rows cached
-    assert (cache.hits, cache.misses, cache.rows_used, cache.bytes_used) == (0, 2, 5, 5 * row_bytes)
-    cache.get("r", 0, 0, 1)  # hit: cluster 1 becomes the most recent
-    assert cache.hits == 1 and list(cache.entries) == [("r", 0, 0, 0), ("r", 0, 0, 1)]
-    cache.get("r", 0, 0, 2)  # 1 more row: the least recent (cluster 0) goes
-    assert cache.evictions == 1 and list(cache.entries) == [("r", 0, 0, 1), ("r", 0, 0, 2)]
-    assert cache.rows_used == 4 and cache.bytes_used == 4 * row_bytes
-    cache.get("r", 0, 0, 0)
-    assert cache.misses == 4 and ("r", 0, 0, 1) not in cache.entries  # evicted in LRU order
+def test_page_layout_cuts_each_cluster_into_pages():
+    lay = page_layout(("r", 0), np.array([[5, 0, 2], [1, 4, 0]]), page_rows=2)
+    assert lay.start.tolist() == [[0, 3, 3, 4], [0, 1, 3, 3]]
+    assert lay.row0[0].tolist() == [0, 2, 4, 5] and lay.length[0].tolist() == [2, 2, 1, 2]
+    assert lay.cluster[0].tolist() == [0, 0, 0, 2]
+    # head 1 has 3 pages (padded to head 0's 4): rows 0 | 1-2 | 3-4
+    assert lay.row0[1, :3].tolist() == [0, 1, 3] and lay.length[1, :3].tolist() == [1, 2, 2]
+    assert (lay.pool == -1).all()
+
+
+def fetch_one(cache, c):
+    return cache.fetch("r", 0, np.array([0]), np.array([c]))
+
+
+def test_page_cache_hits_misses_bytes_and_copies():
+    host, k = host_with()  # clusters of 2, 3, 1 rows; pages of 2 rows: 1, 2, 1 pages
+    cache = PageCache(host, "cpu", capacity_rows=6, d_k=D, d_v=D, dtype=torch.float32, page_rows=2)
+    cache.register("r", 0, torch.tensor([[2, 3, 1]]))
+    page_bytes = 2 * 2 * D * 4
+    assert cache.n_pages == 3 and cache.bytes_total == 3 * page_bytes and cache.bytes_used == 0
+    f = fetch_one(cache, 1)  # rows [2, 5): two pages, the second one half full
+    assert f.length.tolist() == [2, 1] and f.cluster.tolist() == [1, 1] and (cache.hits, cache.misses) == (0, 2)
+    pages = cache.gather(f, 1)
+    torch.testing.assert_close(pages.k[0, 0], k[0, 2:4])
+    torch.testing.assert_close(pages.v[0, 1, :1], -k[0, 4:5])
+    assert cache.k.data_ptr() != host.layers[("r", 0)].k.data_ptr()  # the pool is its own memory
+    fetch_one(cache, 1)  # hit
+    assert (cache.hits, cache.misses, cache.pages_used, cache.bytes_used) == (2, 2, 2, 2 * page_bytes)
+    fetch_one(cache, 0)  # the last free page
+    f = fetch_one(cache, 2)  # pool full: CLOCK clears every reference bit, then takes the hand's page
+    assert cache.evictions == 1 and cache.pages_used == 3
+    torch.testing.assert_close(cache.gather(f, 1).k[0, 0, :1], k[0, 5:6])
+    evicted = [c for c in range(2) if (cache.layouts[("r", 0)].pool[0, cache.layouts[("r", 0)].start[0, c]:
+                                                                       cache.layouts[("r", 0)].start[0, c + 1]] < 0).any()]
+    assert evicted == [1]  # page 0 of the pool (cluster 1's first page) was under the hand
+    misses = cache.misses
+    fetch_one(cache, 1)  # reloaded: one page was evicted, the other still hits
+    assert cache.misses == misses + 1
     cache.drop("r")
-    assert cache.rows_used == 0 and cache.bytes_used == 0 and not cache.entries
+    assert cache.pages_used == 0 and cache.bytes_used == 0 and not cache.layouts
 
 
-def test_a_cluster_larger_than_the_cache_is_served_uncached():
-    host, k = host_with((4, 1))
-    cache = ClusterCache(host, "cpu", capacity_rows=3, row_bytes=2 * D * 4)
-    ck, _ = cache.get("r", 0, 0, 0)
-    torch.testing.assert_close(ck, k[0, :4])
-    assert not cache.entries and cache.rows_used == 0
+def test_pages_in_use_by_the_fetch_are_never_evicted_and_overflow_is_read_from_a_copy():
+    host, k = host_with((4, 1))  # 2 + 1 pages of 2 rows
+    cache = PageCache(host, "cpu", capacity_rows=4, d_k=D, d_v=D, dtype=torch.float32, page_rows=2)
+    cache.register("r", 0, torch.tensor([[4, 1]]))
+    f = cache.fetch("r", 0, np.array([0, 0]), np.array([0, 1]))  # 3 pages, room for 2
+    assert sorted(f.page.tolist())[:1] == [-1] and f.extra_k.shape == (1, 2, D)
+    assert cache.pages_used == 2 and cache.evictions == 0
+    pages = cache.gather(f, 1)
+    torch.testing.assert_close(pages.k[0, :3].reshape(-1, D)[:5], k[0, :5])
 
 
 def test_host_rows_account_bytes_and_refuse_past_capacity():

@@ -19,7 +19,7 @@ LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64  # the default model
 ARGS = ["--max-total-tokens", str(POOL), "--log-level", "warning", "--dtype", "float32", "--enable-metrics",
         "--sparse-method", "retroinfer", "--sparse-sinks", str(SINKS), "--sparse-local", str(LOCAL),
         "--sparse-tokens-per-cluster", str(TPC), "--sparse-retrieve", str(RETRIEVE), "--sparse-segment", "512",
-        "--sparse-cache-rows", "4096"]
+        "--sparse-cache-rows", "65536"]  # a step's retrieved pages fit: later steps hit
 FACTS = ("Alice keeps her bicycle in the red barn. ", "The library opens at nine in the morning. ",
          "Tom planted three apple trees last spring. ", "The river freezes every January. ",
          "Maria bakes bread on Sundays. ", "The old clock in the hall stopped at noon. ")
@@ -101,6 +101,8 @@ def test_cold_rows_live_in_the_host_tier_and_everything_comes_back(server, tok):
     assert during["kv_bytes_used"] < len(ids) * during["kv_bytes_per_slot"]
     cache = during["tiers"]["device_cache"]
     assert cache["misses"] > 0 and cache["bytes_used"] <= cache["bytes_total"]
+    after_hits = sparse_stats(server)["tiers"]["device_cache"]["hits"]
+    assert after_hits > 0  # later decode steps read pages copied by earlier ones
     after = sparse_stats(server)
     assert after["kv_free_slots"] == POOL and after["integrity"]["ok"]
     assert after["host_bytes_used"] == 0 and after["tiers"]["host_bytes_peak"] >= host

@@ -18,9 +18,10 @@
 #   tests-online    H2O and R-KV: scores accumulated inside the decode graphs == eager evictions
 #   tests-skipkv    SkipKV alone of the above (~2 min)
 #   tests-kvzip     KVzip: probe + compaction on the GPU, graphs == eager (~3 min, est.)
-#   tests-retroinfer  RetroInfer: eager decode through the pinned host tier, all clusters == dense (247 s, 2026-12-04)
-#   matched-retroinfer  RetroInfer at 32K, batch 1 / 2, next to dense tuned over 16 / 64 splits (271 s, 2026-12-04:
-#                   RetroInfer measured nothing, its eager retrieval decodes at ~0.2 tok/s on the 8B shape)
+#   tests-retroinfer  RetroInfer: eager decode through the pinned host tier and page cache, all clusters == dense (200 s, 2026-12-04)
+#   matched-retroinfer  RetroInfer at 32K, batch 1 / 2, next to dense tuned over 16 / 64 splits (271 s, 2026-12-04,
+#                   before the page cache: RetroInfer measured nothing, its Python-LRU retrieval decoded at ~0.2 tok/s)
+#   capacity128k-retroinfer  RetroInfer vs dense (32 / 64 splits) at 128K with the same device memory (525 s, 2026-12-04)
 #   tests-compile-quest  Quest alone with --enable-torch-compile == eager (a 400 s start allowed)
 # Benchmarks:
 #   kernels   sgl-kernel-sparse microbenchmarks (bandwidth against the HBM ceiling)      ~2 min
@@ -92,7 +93,13 @@ for stage in "$@"; do
       timeout 560 python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 32768 --output-len 64 \
         --batches 1 2 --methods retroinfer dense --tune dense --kv-splits 16 64 --timeout 240 \
         --out "$OUT/long_matched_32k_retroinfer.json" -- --cuda-graph-bs-decode 1 2 2>&1 | tee "$OUT/$stage.txt" ;;
-    tests-retroinfer)  # issue 15: RetroInfer's eager decode and pinned host tier on CUDA (~3 min, est.)
+    capacity128k-retroinfer)  # issue 15: largest resident batch at 128K, dense (32 / 64 splits) vs RetroInfer
+      # with the same device memory (its 2 GiB page cache and 5 GiB index budget come out of its pool)
+      timeout 590 python3 benchmark/bench_long_context.py capacity "${LONG[@]}" --prompt-len 131072 --output-len 64 \
+        --budget 1024 --methods dense retroinfer --tune dense --kv-splits 32 64 --retro-host-mb 80000 \
+        --retro-cache-rows 4194304 --retro-index-mb 5120 --timeout 300 \
+        --out "$OUT/long_capacity_128k_retroinfer.json" -- --cuda-graph-bs-decode 1 2 4 2>&1 | tee "$OUT/$stage.txt" ;;
+    tests-retroinfer)  # issue 15: RetroInfer's eager decode, pinned host tier and page cache on CUDA (200 s)
       gpu_tests "$stage" test/test_gpu_payload.py -k retroinfer ;;
     tests-omnikv)
       gpu_tests "$stage-kernels" test/test_sparse_kernels.py -k omnikv

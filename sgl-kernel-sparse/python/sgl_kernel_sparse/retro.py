@@ -47,47 +47,49 @@ class WaveIndex:
 
 
 def kmeans(x: torch.Tensor, n_clusters: int, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lloyd's k-means of ``x`` ``[n, d]`` (float32), deterministic init at evenly spaced rows.
-    Returns (assignment ``[n]`` int64, centroids ``[C, d]``). Ties go to the lower cluster id."""
-    n = x.shape[0]
-    init = torch.div(torch.arange(n_clusters) * n, n_clusters, rounding_mode="floor")
-    centroids = x[init].clone()
-    assign = torch.zeros(n, dtype=torch.int64)
+    """Lloyd's k-means of ``x`` ``[n, d]`` or, one problem per head, ``[H, n, d]`` (float32, any
+    device), deterministic init at evenly spaced rows. Returns (assignment ``[n]`` / ``[H, n]``
+    int64, centroids ``[C, d]`` / ``[H, C, d]``). Ties go to the lower cluster id."""
+    flat = x.dim() == 2
+    x = x.unsqueeze(0) if flat else x
+    h, n, d = x.shape
+    init = torch.div(torch.arange(n_clusters, device=x.device) * n, n_clusters, rounding_mode="floor")
+    centroids = x[:, init].clone()
+    base = (torch.arange(h, device=x.device) * n_clusters).view(h, 1)  # head h's clusters: h*C + c
+    assign = torch.zeros(h, n, dtype=torch.int64, device=x.device)
     for _ in range(max(1, iters)):
-        assign = torch.cdist(x, centroids).argmin(dim=1)  # argmin keeps the first of ties
-        sums = torch.zeros_like(centroids).index_add_(0, assign, x)
-        counts = torch.bincount(assign, minlength=n_clusters)
+        assign = torch.cdist(x, centroids).argmin(dim=2)  # argmin keeps the first of ties
+        ids = (assign + base).flatten()
+        sums = torch.zeros(h * n_clusters, d, device=x.device).index_add_(0, ids, x.reshape(-1, d))
+        counts = torch.bincount(ids, minlength=h * n_clusters)
         moved = counts > 0
-        centroids[moved] = sums[moved] / counts[moved, None]
-    return assign, centroids
+        cent = centroids.view(-1, d)
+        cent[moved] = sums[moved] / counts[moved, None]
+    return (assign[0], centroids[0]) if flat else (assign, centroids)
 
 
 def build_wave_index(k: torch.Tensor, v: torch.Tensor, segment: int, tokens_per_cluster: int,
                      iters: int) -> WaveIndex:
-    """Index rows ``[0, n)`` of k / v ``[n, H_kv, d]`` (see the module docstring)."""
+    """Index rows ``[0, n)`` of k / v ``[n, H_kv, d]`` (see the module docstring), on their device
+    (every KV head's k-means of one segment at once)."""
     n, hkv, d = k.shape
-    cents, sizes, vsums, orders, offs = [], [], [], [], []
-    for g in range(hkv):
-        kg, vg = k[:, g].float(), v[:, g].float()
-        assign_parts, cent_parts, base = [], [], 0
-        for start in range(0, n, segment):
-            end = min(start + segment, n)
-            c = -(-(end - start) // tokens_per_cluster)
-            a, cen = kmeans(kg[start:end], c, iters)
-            assign_parts.append(a + base)
-            cent_parts.append(cen)
-            base += c
-        assign = torch.cat(assign_parts)
-        counts = torch.bincount(assign, minlength=base)
-        order = torch.sort(assign, stable=True).indices  # rows by cluster, ascending within one
-        cents.append(torch.cat(cent_parts))
-        sizes.append(counts)
-        vsums.append(torch.zeros(base, vg.shape[-1]).index_add_(0, assign, vg))
-        orders.append(order)
-        offs.append(torch.cat([counts.new_zeros(1), counts.cumsum(0)]))
+    kh, vh = k.float().transpose(0, 1), v.float().transpose(0, 1)  # [H_kv, n, d]
+    assign_parts, cent_parts, base = [], [], 0
+    for start in range(0, n, segment):
+        end = min(start + segment, n)
+        c = -(-(end - start) // tokens_per_cluster)
+        a, cen = kmeans(kh[:, start:end], c, iters)
+        assign_parts.append(a + base)
+        cent_parts.append(cen)
+        base += c
     # the cluster count depends only on n and the segments, so every head has the same
-    return WaveIndex(torch.stack(cents), torch.stack(sizes), torch.stack(vsums), torch.stack(orders),
-                     torch.stack(offs))
+    assign = torch.cat(assign_parts, dim=1)  # [H_kv, n]
+    ids = (assign + (torch.arange(hkv, device=k.device) * base).view(-1, 1)).flatten()
+    counts = torch.bincount(ids, minlength=hkv * base).view(hkv, base)
+    vsums = torch.zeros(hkv * base, vh.shape[-1], device=k.device).index_add_(0, ids, vh.reshape(-1, vh.shape[-1]))
+    order = torch.sort(assign, dim=1, stable=True).indices  # rows by cluster, ascending within one
+    offsets = torch.cat([counts.new_zeros(hkv, 1), counts.cumsum(1)], dim=1)
+    return WaveIndex(torch.cat(cent_parts, dim=1), counts, vsums.view(hkv, base, -1), order, offsets)
 
 
 def retrieve_clusters(q: torch.Tensor, index: WaveIndex, n_retrieve: int) -> torch.Tensor:
