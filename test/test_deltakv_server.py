@@ -20,18 +20,14 @@ reconstruction against independent definitions: ``test_deltakv_core.py``."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import requests
 import torch
 
-from conftest import free_and_used, hf_argmax, start_server
+from conftest import start_server
+from payload_flow import blocks_chains_and_radix, stats
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
-from bench_niah import QUESTION  # noqa: E402
-from test_kivi_chain_server import turns  # noqa: E402
 
 G, R, WIDTH = 32, 32, 384
 ARGS = ["--dtype", "float32", "--max-total-tokens", "6144", "--chunked-prefill-size", "256", "--log-level", "warning",
@@ -53,74 +49,12 @@ def hf(default_model_dir):
     return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
 
 
-def stats(server) -> dict:
-    return requests.get(server.base_url + "/sparse/stats", timeout=60).json()
-
-
-def gen(server, ids, n, chain_id=None):
-    sp = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
-    if chain_id is not None:
-        sp["custom_params"] = {"chain_id": chain_id}
-    resp = requests.post(server.base_url + "/generate", timeout=900,
-                         json={"input_ids": ids, "sampling_params": sp, "return_logprob": True})
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
-def assert_same_as_the_model(hf, ids, out, n, tol=LOGPROB_TOL):
-    assert out["output_ids"] == hf_argmax(hf, ids, n)
-    with torch.no_grad():
-        logits = hf(torch.tensor([ids + out["output_ids"]])).logits[0, len(ids) - 1: -1].double()
-    want = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(out["output_ids"])[:, None])[:, 0]
-    got = torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]], dtype=torch.float64)
-    diff = float((got - want).abs().max())
-    assert diff < tol, diff
-
-
-def tree_units(s) -> int:
-    return s["radix"]["evictable_units"] + s["radix"]["protected_units"]
-
-
 def test_deltakv_equals_the_model_through_blocks_chains_and_the_radix_cache(server, hf, tok):
     idle = stats(server)
     # fp32: codes of 384 + 4 int32 fathers + a 384-wide reference every 16 tokens, per layer
     assert idle["kv_bytes_per_token"] == LAYERS * (WIDTH * 4 + 4 * 4 + WIDTH * 4 / 16)
     assert idle["method_static_bytes"] == LAYERS * (2 * WIDTH * WIDTH + WIDTH) * 4  # down, up, b_up
-    first, second = turns(tok)  # ~1K essay tokens with a needle; then a question
-    out1 = gen(server, first, 40)
-    assert_same_as_the_model(hf, first, out1, 40)  # blocks after the prompt and while decoding
-    s1 = stats(server)
-    assert s1["counters"]["deltakv_blocks_written"] >= (len(first) + 40 - R - G) // G
-    cid = out1["meta_info"]["chain_id"]
-
-    # Chain Cache: the continuation resumes the blocks and attends them reconstructed
-    prompt2 = first + out1["output_ids"] + second
-    out2 = gen(server, prompt2, 24, chain_id=cid)
-    m2 = out2["meta_info"]
-    assert (m2["chain_id"], m2["chain_status"]) == (cid, "resumed")
-    assert m2["reused_tokens"] == len(first) + 40 - 1
-    written = stats(server)["counters"]["deltakv_blocks_written"] - s1["counters"]["deltakv_blocks_written"]
-    assert written * G <= len(prompt2) - m2["reused_tokens"] + 24 + G, written  # history not re-written
-    assert_same_as_the_model(hf, prompt2, out2, 24)
-
-    # radix cache: a new request (no chain) on the same context starts on the cached blocks
-    assert requests.delete(f"{server.base_url}/chain/{cid}", timeout=60).status_code == 200
-    assert tree_units(stats(server)) >= (len(first) + 40 - R - G) // G
-    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
-    tail = enc("\n\nRead this text.<|im_end|>\n<|im_start|>assistant\n")
-    context = first[: len(first) - len(tail)]
-    prompt3 = context + enc(f"\n\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n")
-    out3 = gen(server, prompt3, 16)
-    assert out3["meta_info"]["cached_tokens"] == len(context) // G * G > 0
-    assert_same_as_the_model(hf, prompt3, out3, 16)
-
-    # everything back: chains deleted, the tree's blocks flushed
-    assert requests.delete(f"{server.base_url}/chain/{out3['meta_info']['chain_id']}", timeout=60).status_code == 200
-    assert requests.post(server.base_url + "/flush_cache", timeout=60).status_code == 200
-    done = stats(server)
-    assert tree_units(done) == 0 and done["integrity"]["ok"]
-    assert free_and_used(done) == free_and_used(idle)
-    assert done["counters"].get("deltakv_store_full", 0) == 0
+    blocks_chains_and_radix(server, hf, tok, "deltakv", G, R, LOGPROB_TOL)
 
 
 def test_info_lists_the_method(server):

@@ -22,18 +22,14 @@ compression ratio: ``test_palu_capacity_server.py`` (ratio 0.75) and ``test_palu
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import requests
 import torch
 
-from conftest import free_and_used, hf_argmax, start_server
+from conftest import start_server
+from payload_flow import blocks_chains_and_radix, stats
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
-from bench_niah import QUESTION  # noqa: E402
-from test_kivi_chain_server import turns  # noqa: E402
 
 G, R = 32, 32
 ARGS = ["--dtype", "float32", "--max-total-tokens", "6144", "--chunked-prefill-size", "256", "--log-level", "warning",
@@ -76,78 +72,16 @@ def hf(ratio, default_model_dir):
     return model
 
 
-def stats(server) -> dict:
-    return requests.get(server.base_url + "/sparse/stats", timeout=60).json()
-
-
-def gen(server, ids, n, chain_id=None):
-    sp = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
-    if chain_id is not None:
-        sp["custom_params"] = {"chain_id": chain_id}
-    resp = requests.post(server.base_url + "/generate", timeout=900,
-                         json={"input_ids": ids, "sampling_params": sp, "return_logprob": True})
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
-def assert_same_as_the_model(hf, ids, out, n, tol=LOGPROB_TOL):
-    """The server's greedy tokens are HF's, and their log-probabilities agree to ``tol`` (a
-    token-level check alone misses small errors, e.g. a block read one position off)."""
-    assert out["output_ids"] == hf_argmax(hf, ids, n)
-    with torch.no_grad():
-        logits = hf(torch.tensor([ids + out["output_ids"]])).logits[0, len(ids) - 1: -1].double()
-    want = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(out["output_ids"])[:, None])[:, 0]
-    got = torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]], dtype=torch.float64)
-    diff = float((got - want).abs().max())
-    assert diff < tol, diff
-
-
-def tree_units(s) -> int:
-    return s["radix"]["evictable_units"] + s["radix"]["protected_units"]
-
-
 def test_palu_equals_the_folded_model_through_blocks_chains_and_the_radix_cache(server, hf, ratio, tok):
     idle = stats(server)
     # fp32 latents of rank (1 - ratio) * 64 per KV head (full rank: as big as the row it replaces)
     assert idle["kv_bytes_per_token"] == LAYERS * 2 * KV_HEADS * round((1 - ratio) * HEAD_DIM) * 4
     assert idle["kv_bytes_per_slot"] == LAYERS * 2 * KV_HEADS * HEAD_DIM * 4
-    first, second = turns(tok)  # ~1K essay tokens with a needle; then a question
-    out1 = gen(server, first, 40)
-    assert_same_as_the_model(hf, first, out1, 40)  # blocks after the prompt and while decoding
-    s1 = stats(server)
-    assert s1["counters"]["palu_blocks_written"] >= (len(first) + 40 - R - G) // G
-    assert s1["counters"]["palu_residual_ppm_max"] < 50, s1["counters"]  # rows lie in span(B)
-    cid = out1["meta_info"]["chain_id"]
+    blocks_chains_and_radix(server, hf, tok, "palu", G, R, LOGPROB_TOL, check_first=rows_in_span)
 
-    # Chain Cache: the continuation resumes the latent blocks and attends them reconstructed
-    prompt2 = first + out1["output_ids"] + second
-    out2 = gen(server, prompt2, 24, chain_id=cid)
-    m2 = out2["meta_info"]
-    assert (m2["chain_id"], m2["chain_status"]) == (cid, "resumed")
-    assert m2["reused_tokens"] == len(first) + 40 - 1
-    written = stats(server)["counters"]["palu_blocks_written"] - s1["counters"]["palu_blocks_written"]
-    assert written * G <= len(prompt2) - m2["reused_tokens"] + 24 + G, written  # history not re-written
-    assert_same_as_the_model(hf, prompt2, out2, 24)
 
-    # radix cache: a new request (no chain) on the same context starts on the cached blocks
-    assert requests.delete(f"{server.base_url}/chain/{cid}", timeout=60).status_code == 200
-    before = stats(server)
-    assert tree_units(before) >= (len(first) + 40 - R - G) // G
-    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
-    tail = enc("\n\nRead this text.<|im_end|>\n<|im_start|>assistant\n")
-    context = first[: len(first) - len(tail)]
-    prompt3 = context + enc(f"\n\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n")
-    out3 = gen(server, prompt3, 16)
-    assert out3["meta_info"]["cached_tokens"] == len(context) // G * G > 0
-    assert_same_as_the_model(hf, prompt3, out3, 16)
-
-    # everything back: chains deleted, the tree's blocks flushed
-    assert requests.delete(f"{server.base_url}/chain/{out3['meta_info']['chain_id']}", timeout=60).status_code == 200
-    assert requests.post(server.base_url + "/flush_cache", timeout=60).status_code == 200
-    done = stats(server)
-    assert tree_units(done) == 0 and done["integrity"]["ok"]
-    assert free_and_used(done) == free_and_used(idle)
-    assert done["counters"].get("palu_store_full", 0) == 0
+def rows_in_span(s) -> None:
+    assert s["counters"]["palu_residual_ppm_max"] < 50, s["counters"]  # every recovered row lies in span(B)
 
 
 def test_info_lists_the_projection_hook(server):

@@ -292,11 +292,11 @@ class RetroInferRuntime(EvictingRuntime):
         if not picked:
             return {}
         unions = [picked[i].any(dim=1).flatten() for i in picked]  # [H_kv * C] per request
-        hits = torch.cat(unions).nonzero().flatten().cpu().numpy()  # the one host sync of the layer
+        chosen = torch.cat(unions).nonzero().flatten().cpu().numpy()  # the one host sync of the layer
         bounds = np.cumsum([0] + [u.numel() for u in unions])
         out = {}
         for n, i in enumerate(picked):
-            local = hits[(hits >= bounds[n]) & (hits < bounds[n + 1])] - bounds[n]
+            local = chosen[(chosen >= bounds[n]) & (chosen < bounds[n + 1])] - bounds[n]
             c = picked[i].shape[-1]
             out[i] = self.tiers.fetch(reqs[i].rid, lid, local // c, local % c)  # by head, then cluster
         return out
