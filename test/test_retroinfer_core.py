@@ -255,6 +255,21 @@ def test_page_cache_hits_misses_bytes_and_copies():
     assert cache.pages_used == 0 and cache.bytes_used == 0 and not cache.layouts
 
 
+def test_clock_gives_a_recently_used_page_a_second_chance():
+    host, k = host_with((2, 2, 2, 2))  # four one-page clusters, a pool of three pages
+    cache = PageCache(host, "cpu", capacity_rows=6, d_k=D, d_v=D, dtype=torch.float32, page_rows=2)
+    cache.register("r", 0, torch.tensor([[2, 2, 2, 2]]))
+    pool = cache.layouts[("r", 0)].pool[0]
+    for c in range(3):  # clusters 0, 1, 2 in pool pages 0, 1, 2, all referenced
+        fetch_one(cache, c)
+    fetch_one(cache, 3)  # the hand clears every bit, then takes page 0: cluster 0 goes
+    assert pool.tolist() == [-1, 1, 2, 0] and cache.hand == 1
+    fetch_one(cache, 1)  # a hit: cluster 1's page is referenced again
+    fetch_one(cache, 0)  # the hand passes page 1 (second chance) and takes page 2: cluster 2 goes
+    assert pool.tolist() == [2, 1, -1, 0] and cache.evictions == 2
+    torch.testing.assert_close(cache.k[2], k[0, 0:2])  # cluster 0's rows, copied again
+
+
 def test_pages_in_use_by_the_fetch_are_never_evicted_and_overflow_is_read_from_a_copy():
     host, k = host_with((4, 1))  # 2 + 1 pages of 2 rows
     cache = PageCache(host, "cpu", capacity_rows=4, d_k=D, d_v=D, dtype=torch.float32, page_rows=2)
