@@ -234,13 +234,12 @@ def retro_batch(args) -> int:
     """RetroInfer's resident requests: each needs its cold rows in the host tier and its index in
     the index budget; its pool holds the prompt being prefilled plus sinks + local + output rows
     of every other one (``methods/retroinfer.py``: 4 + 64)."""
-    from sglang_sparse.methods.retroinfer import RetroInferConfig
+    from sglang_sparse.methods.retroinfer import RetroInferConfig, index_nbytes
 
     c = RetroInferConfig(tokens_per_cluster=16)
     layers, heads, d = model_shape(args)
     cold = args.prompt_len - c.sinks - c.local
-    clusters = sum(-(-min(c.segment, cold - s) // c.tokens_per_cluster) for s in range(0, cold, c.segment))
-    index = layers * heads * clusters * (2 * d * 2 + 4)
+    index = index_nbytes(c, cold, layers, heads, d, d, 2)  # bf16
     host = cold * token_bytes(args)
     by_pool = (pool_tokens("retroinfer", args) - args.prompt_len) // (c.sinks + c.local + args.output_len) + 1
     return min(RETRO["index_mb"] * 2 ** 20 // index, RETRO["host_mb"] * 2 ** 20 // host, by_pool)
@@ -259,7 +258,7 @@ def capacity_batch(name: str, args) -> int:
     if name == "pyramidkv":
         from sglang_sparse.methods.pyramidkv import PyramidKVConfig, layer_budgets
 
-        layers = json.loads((Path(args.model_path) / "config.json").read_text())["num_hidden_layers"]
+        layers = model_shape(args)[0]
         rows = -(-sum(layer_budgets(PyramidKVConfig(budget=args.budget, window=32), L, layers)) // layers)
         return (pool - L) // (rows + N) + 1
     if name == "streamingllm":
@@ -274,12 +273,8 @@ def capacity_batch(name: str, args) -> int:
     if name == "retroinfer":
         return retro_batch(args)
     if name in ("kivi", "turboquant", "palu", "palu-0.75"):  # every history in blocks (3/4 of the pool's bytes)
-        cfg = json.loads((Path(args.model_path) / "config.json").read_text())
-        layers, heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
-        d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        fp_bytes = 2 * 2 * layers * heads * d  # bf16 K and V of one token
-        c, block_bytes = payload_block(name, layers, heads, d)
-        blocks = int(pool * fp_bytes * (1 - c.fp_fraction)) // block_bytes
+        c, block_bytes = payload_block(name, *model_shape(args))
+        blocks = int(pool * token_bytes(args) * (1 - c.fp_fraction)) // block_bytes
         return blocks // -(-(L + N) // c.group)
     return pool // (L + N)
 

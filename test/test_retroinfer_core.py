@@ -86,7 +86,7 @@ def test_selected_clusters_are_the_top_ones_by_query_centroid_score(n):
     sizes[3] = 0
     cent[5] = cent[6]  # a tie: the lower id first
     q = torch.randn(3, D, generator=g)
-    mask = select_clusters(q, cent, sizes, n)
+    _, mask = select_clusters(q, cent, sizes, n)
     assert [mask[h].nonzero().flatten().tolist() for h in range(3)] == reference_top(q, cent, sizes, n)
 
 
@@ -109,11 +109,11 @@ def run_tripartite(k, v, res, retrieve, tpc=8, page_rows=3):
     cache = PageCache(host, "cpu", 4096, D, D, torch.float32, page_rows)
     cache.register("r", 0, idx.sizes)
     q = torch.randn(HQ, D, generator=torch.Generator().manual_seed(9))
-    picked = select_clusters(q.view(HKV, -1, D), idx.centroids, idx.sizes, retrieve)
+    scores, picked = select_clusters(q.view(HKV, -1, D), idx.centroids, idx.sizes, retrieve)
     heads, clusters = picked.any(dim=1).nonzero().T.numpy()
     pages = cache.gather(cache.fetch("r", 0, heads, clusters), HKV)
     layer = LayerIndex(idx.centroids, idx.sizes, idx.value_sums)
-    out = tripartite(q, k[cold:], v[cold:], layer, picked, pages, SCALE)
+    out = tripartite(q, k[cold:], v[cold:], layer, scores, picked, pages, SCALE)
     return q, out, idx
 
 
@@ -140,7 +140,7 @@ def test_estimation_recovers_the_unretrieved_mass():
     without = torch.empty_like(out)  # the same zones with the estimation zone dropped
     for h in range(HQ):
         g = h // (HQ // HKV)
-        picked = select_clusters(q[h: h + 1], idx.centroids[g], idx.sizes[g], 2)[0].nonzero().flatten().tolist()
+        picked = select_clusters(q[h: h + 1], idx.centroids[g], idx.sizes[g], 2)[1][0].nonzero().flatten().tolist()
         rows = torch.cat([idx.order[g, idx.offsets[g, c]: idx.offsets[g, c + 1]] for c in picked] + [steady])
         w = ((k[rows, g] @ q[h]) * SCALE).softmax(0)
         without[h] = w @ v[rows, g]
@@ -195,11 +195,11 @@ def test_two_requests_in_one_decode_step():
     for i, rid in enumerate(("a", "b")):  # each request reads its own index, pages and rows
         index = rt.indexes[rid][2]
         q = dq[2][i]
-        picked = select_clusters(q.view(HKV, -1, D), index.centroids, index.sizes, KNOBS["retrieve"])
+        scores, picked = select_clusters(q.view(HKV, -1, D), index.centroids, index.sizes, KNOBS["retrieve"])
         heads, clusters = picked.any(dim=1).nonzero().T.numpy()
         pages = rt.tiers.gather(rt.tiers.fetch(rid, 2, heads, clusters), HKV)
         slots = eng.store.row_slots(i, 0, slices[i].row_start + 1)
-        want = tripartite(q, eng.store.k[2][slots], eng.store.v[2][slots], index, picked, pages, SCALE)
+        want = tripartite(q, eng.store.k[2][slots], eng.store.v[2][slots], index, scores, picked, pages, SCALE)
         torch.testing.assert_close(out[i], want)
 
 
@@ -297,6 +297,9 @@ def test_host_rows_account_bytes_and_refuse_past_capacity():
     ({"local": 0}, "local=0 is out of range"),
     ({"kmeans_iters": 0}, r"kmeans_iters=0 is out of range: must be in \[1, 100\]"),
     ({"host_mb": 0}, "host_mb=0 is out of range"),
+    ({"index_mb": 0}, "index_mb=0 is out of range"),
+    ({"page_rows": 0}, "page_rows=0 is out of range"),
+    ({"page_rows": 16, "cache_rows": 8}, "page_rows=16 must be at most cache_rows=8"),
 ])
 def test_config_errors_name_the_option(knobs, message):
     with pytest.raises(ConfigError, match=message):

@@ -119,28 +119,28 @@ class LayerIndex:
         return self.centroids.nbytes + self.sizes.nbytes + self.value_sums.nbytes
 
 
-def select_clusters(q: torch.Tensor, centroids: torch.Tensor, sizes: torch.Tensor, n: int) -> torch.Tensor:
+def select_clusters(q: torch.Tensor, centroids: torch.Tensor, sizes: torch.Tensor,
+                    n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Retrieval zone: query heads ``q`` ``[G, d]`` sharing one KV head (``centroids`` ``[C, d]``,
     ``sizes`` ``[C]``), or ``[H_kv, G, d]`` over every KV head (``[H_kv, C, d]``, ``[H_kv, C]``).
-    A ``[..., G, C]`` mask of the ``n`` non-empty clusters of highest ``q . centroid`` per query
-    head (ties to the lower id; fewer when fewer are non-empty)."""
-    return picked_from_scores(q.float() @ centroids.float().transpose(-1, -2), sizes, n)
-
-
-def picked_from_scores(raw: torch.Tensor, sizes: torch.Tensor, n: int) -> torch.Tensor:
-    """``raw`` ``[..., G, C]`` query-centroid scores: the mask of :func:`select_clusters`."""
-    raw = raw.masked_fill(sizes.unsqueeze(-2) == 0, float("-inf"))
+    Returns the float32 scores ``q . centroid`` ``[..., G, C]`` (unscaled; the estimation zone
+    reuses them) and the mask of the ``n`` non-empty clusters of highest score per query head
+    (ties to the lower id; fewer when fewer are non-empty)."""
+    scores = q.float() @ centroids.float().transpose(-1, -2)
+    raw = scores.masked_fill(sizes.unsqueeze(-2) == 0, float("-inf"))
     ranked = torch.sort(-raw, dim=-1, stable=True).indices[..., : min(n, raw.shape[-1])]
     real = raw.gather(-1, ranked) > float("-inf")  # an empty cluster is never picked
-    return torch.zeros_like(raw, dtype=torch.bool).scatter_(-1, ranked, real)
+    return scores, torch.zeros_like(raw, dtype=torch.bool).scatter_(-1, ranked, real)
 
 
 def tripartite(q: torch.Tensor, k_res: torch.Tensor, v_res: torch.Tensor, index: LayerIndex | None,
-               picked: torch.Tensor | None, pages: Pages | None, scale: float) -> torch.Tensor:
+               scores: torch.Tensor | None, picked: torch.Tensor | None, pages: Pages | None,
+               scale: float) -> torch.Tensor:
     """One request's decode attention in one layer, every head at once. ``q`` ``[H_q, d]``;
     ``k_res`` / ``v_res`` ``[n, H_kv, d]`` the resident rows (steady zone, attended exactly);
-    ``index`` the cold rows' clusters and ``picked`` ``[H_kv, G, C]`` each query head's retrieved
-    ones, whose rows ``pages`` holds (None, None, None: no cold rows, exact attention). A page's
+    ``index`` the cold rows' clusters, ``scores`` / ``picked`` ``[H_kv, G, C]`` what
+    :func:`select_clusters` returned for them, ``pages`` the picked clusters' rows (all None: no
+    cold rows, exact attention). A page's
     rows count for query head ``h`` only if ``h`` picked the page's cluster (a KV head's pages
     are the union over its group). Returns ``[H_q, d_v]`` float32."""
     hq, d = q.shape
@@ -156,7 +156,7 @@ def tripartite(q: torch.Tensor, k_res: torch.Tensor, v_res: torch.Tensor, index:
         keep = own.unsqueeze(-1) & live.unsqueeze(1)
         s_u = s_u.masked_fill(~keep.flatten(2), float("-inf"))
         est = ~picked & (index.sizes > 0).unsqueeze(1)  # estimation zone
-        s_c = (qg @ index.centroids.float().transpose(1, 2) * scale).masked_fill(~est, float("-inf"))
+        s_c = (scores * scale).masked_fill(~est, float("-inf"))
         m = torch.maximum(m, torch.maximum(s_u.amax(2, keepdim=True), s_c.amax(2, keepdim=True)))
     w_res = (s_res - m).exp()
     num = torch.einsum("hgn,nhd->hgd", w_res, v_res.float())
@@ -166,6 +166,14 @@ def tripartite(q: torch.Tensor, k_res: torch.Tensor, v_res: torch.Tensor, index:
         num = num + torch.einsum("hgp,hpd->hgd", w_u, pages.v.float().flatten(1, 2)) + w_c @ index.value_sums.float()
         den = den + w_u.sum(2) + (w_c * index.sizes.unsqueeze(1).float()).sum(2)
     return (num / den.unsqueeze(-1)).reshape(hq, -1)
+
+
+def index_nbytes(c: RetroInferConfig, n_cold: int, layers: int, kv_heads: int, d_k: int, d_v: int,
+                 itemsize: int) -> int:
+    """Device bytes of the index over ``n_cold`` rows (``build_wave_index``'s cluster count): per
+    layer, KV head and cluster a centroid and a value sum in the cache's dtype and an int32 size."""
+    clusters = sum(-(-min(c.segment, n_cold - s) // c.tokens_per_cluster) for s in range(0, n_cold, c.segment))
+    return layers * kv_heads * clusters * ((d_k + d_v) * itemsize + 4)
 
 
 @register_method("retroinfer", "dynamic selection", RetroInferConfig,
@@ -187,8 +195,8 @@ class RetroInferRuntime(EvictingRuntime):
 
     # -- memory ------------------------------------------------------------------------------
     def payload_bytes(self) -> tuple[int, int]:
-        """Device bytes besides the engine's pool: the cluster cache (capacity, used) and the
-        index (centroids, sizes, value sums) of every indexed request."""
+        """Device bytes besides the engine's pool: the page cache (capacity, pages in use) and the
+        index budget (``index_mb``; used: the indexes of every indexed request)."""
         return self.tiers.bytes_total + self.config.index_mb * 2 ** 20, self.tiers.bytes_used + self.index_bytes
 
     def tier_stats(self) -> dict:
@@ -252,13 +260,10 @@ class RetroInferRuntime(EvictingRuntime):
         return torch.cat([held[: c.sinks], held[n - c.local:]])
 
     def index_nbytes(self, n_cold: int) -> int:
-        """Device bytes of the index over ``n_cold`` rows: per layer, KV head and cluster a centroid
-        and a value sum in the cache's dtype and an int32 size."""
-        c, store = self.config, self.cache.store
+        store = self.cache.store
         k0, v0 = store.k_buffer(0), store.v_buffer(0)
-        clusters = sum(-(-min(c.segment, n_cold - s) // c.tokens_per_cluster) for s in range(0, n_cold, c.segment))
-        per = (k0.shape[-1] + v0.shape[-1]) * k0.element_size() + 4
-        return store.num_layers * k0.shape[1] * clusters * per
+        return index_nbytes(self.config, n_cold, store.num_layers, k0.shape[1], k0.shape[-1], v0.shape[-1],
+                            k0.element_size())
 
     # -- decode (eager: batched over heads, one host sync per layer) ----------------------------
     def build_decode_selection(self, layer: LayerInput) -> ComputedDecodeView:
@@ -271,12 +276,13 @@ class RetroInferRuntime(EvictingRuntime):
         store, lid = self.cache.store, layer.layer_id
         reqs = layer.step.requests
         qs = [layer.request_tokens(i, layer.q)[0] for i in range(len(reqs))]
+        scores: dict[int, torch.Tensor] = {}
         picked: dict[int, torch.Tensor] = {}
         for i, r in enumerate(reqs):
             if r.rid in self.indexes:
                 ix = self.indexes[r.rid][lid]
                 qg = qs[i].view(ix.centroids.shape[0], -1, qs[i].shape[-1])
-                picked[i] = select_clusters(qg, ix.centroids, ix.sizes, self.config.retrieve)  # [H_kv, G, C]
+                scores[i], picked[i] = select_clusters(qg, ix.centroids, ix.sizes, self.config.retrieve)  # [H_kv, G, C]
         fetched = self._fetch(lid, reqs, picked)
         outs = []
         for i, r in enumerate(reqs):
@@ -284,7 +290,7 @@ class RetroInferRuntime(EvictingRuntime):
             index = self.indexes[r.rid][lid] if i in picked else None
             pages = self.tiers.gather(fetched[i], index.sizes.shape[0]) if index is not None else None
             outs.append(tripartite(qs[i], store.k_buffer(lid)[slots], store.v_buffer(lid)[slots], index,
-                                   picked.get(i), pages, scale))
+                                   scores.get(i), picked.get(i), pages, scale))
         return torch.stack(outs)
 
     def _fetch(self, lid: int, reqs, picked: dict[int, torch.Tensor]) -> dict[int, Fetched]:
@@ -294,9 +300,10 @@ class RetroInferRuntime(EvictingRuntime):
         unions = [picked[i].any(dim=1).flatten() for i in picked]  # [H_kv * C] per request
         chosen = torch.cat(unions).nonzero().flatten().cpu().numpy()  # the one host sync of the layer
         bounds = np.cumsum([0] + [u.numel() for u in unions])
+        parts = np.split(chosen, np.searchsorted(chosen, bounds[1:-1]))  # sorted: one run per request
         out = {}
         for n, i in enumerate(picked):
-            local = chosen[(chosen >= bounds[n]) & (chosen < bounds[n + 1])] - bounds[n]
+            local = parts[n] - bounds[n]
             c = picked[i].shape[-1]
             out[i] = self.tiers.fetch(reqs[i].rid, lid, local // c, local % c)  # by head, then cluster
         return out
