@@ -8,6 +8,7 @@ traceback instead of a bare "connection refused". Engine-agnostic: only subproce
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -25,7 +26,39 @@ class ServerStartError(RuntimeError):
     pass
 
 
+# Ports a server listens on are drawn below the kernel's ephemeral range (32768+ by default) and
+# below 22000-29999, where SGLang draws its own NCCL/TCPStore port. A port the kernel hands out
+# for ``bind(0)`` is one that gloo (CPU tensor parallelism) and client sockets also get handed out
+# while the server starts, so a server told to listen there can find the port taken by one of its
+# own TP workers before uvicorn binds it (seen in CI: Errno 98 once the workers were up).
+LISTEN_PORTS = (12000, 22000)
+START_ATTEMPTS = 3
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _available(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
+    """A free port outside the ephemeral range (falls back to one the kernel picks)."""
+    lo_eph, hi_eph = _ephemeral_range()
+    for _ in range(200):
+        port = random.randrange(*LISTEN_PORTS)
+        if not lo_eph <= port <= hi_eph and _available(port):
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -44,15 +77,20 @@ class ServerProcess:
         start_timeout: float = 300.0,
     ) -> None:
         self.start_timeout = start_timeout  # what ``with ServerProcess(...)`` waits for health
-        self.port = port or free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", module, *args, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.fixed_port = port is not None  # a port the caller chose is never changed on retry
+        self.module, self.args = module, list(args)
+        self._use_port(port or free_port())
         self.env = {**os.environ, **(env or {})}
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix="sglang_sparse_server_", suffix=".log")
             os.close(fd)
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen | None = None
+
+    def _use_port(self, port: int) -> None:
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.cmd = [sys.executable, "-m", self.module, *self.args, "--host", "127.0.0.1", "--port", str(port)]
 
     def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
         try:
@@ -62,6 +100,22 @@ class ServerProcess:
         return text[-chars:]
 
     def start(self, timeout: float | None = None) -> "ServerProcess":
+        """Start and wait for ``/health_generate``. If the port was taken between choosing it and
+        the server binding it, start again on another port (unless the caller fixed the port)."""
+        for attempt in range(START_ATTEMPTS):
+            if self._start_once(timeout):
+                return self
+            if self.fixed_port or attempt == START_ATTEMPTS - 1:
+                raise ServerStartError(self._failure(f"port {self.port} already in use"))
+            self._use_port(free_port())
+        raise AssertionError("unreachable")
+
+    def _bind_failed(self) -> bool:
+        # uvicorn: "error while attempting to bind on address ('127.0.0.1', P): address already in use"
+        return f"{self.port}): address already in use" in self.log_tail().lower()
+
+    def _start_once(self, timeout: float | None) -> bool:
+        """True when healthy, False when the port could not be bound; raises on other failures."""
         timeout = self.start_timeout if timeout is None else timeout
         log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
@@ -71,10 +125,17 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if self._bind_failed():
+                    return False
                 raise ServerStartError(self._failure(f"server exited with code {self.proc.returncode}"))
+            if self._bind_failed():
+                # uvicorn logs the bind error and the scheduler lives on: stop it rather than wait
+                # out the timeout (or ask whoever holds the port for our health).
+                self.stop()
+                return False
             try:
                 if requests.get(self.base_url + "/health_generate", timeout=30).status_code == 200:
-                    return self
+                    return True
             except requests.RequestException:
                 pass
             time.sleep(1.0)
