@@ -103,12 +103,13 @@ class ServerProcess:
         """Start and wait for ``/health_generate``. If the port was taken between choosing it and
         the server binding it, start again on another port (unless the caller fixed the port)."""
         for attempt in range(START_ATTEMPTS):
+            if attempt:
+                self._use_port(free_port())
             if self._start_once(timeout):
                 return self
-            if self.fixed_port or attempt == START_ATTEMPTS - 1:
-                raise ServerStartError(self._failure(f"port {self.port} already in use"))
-            self._use_port(free_port())
-        raise AssertionError("unreachable")
+            if self.fixed_port:
+                break
+        raise ServerStartError(self._failure(f"port {self.port} already in use"))
 
     def _bind_failed(self) -> bool:
         # uvicorn: "error while attempting to bind on address ('127.0.0.1', P): address already in use"
@@ -124,15 +125,13 @@ class ServerProcess:
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                if self._bind_failed():
-                    return False
-                raise ServerStartError(self._failure(f"server exited with code {self.proc.returncode}"))
             if self._bind_failed():
                 # uvicorn logs the bind error and the scheduler lives on: stop it rather than wait
                 # out the timeout (or ask whoever holds the port for our health).
                 self.stop()
                 return False
+            if self.proc.poll() is not None:
+                raise ServerStartError(self._failure(f"server exited with code {self.proc.returncode}"))
             try:
                 if requests.get(self.base_url + "/health_generate", timeout=30).status_code == 200:
                     return True

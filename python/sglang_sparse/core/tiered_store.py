@@ -95,7 +95,7 @@ class PageLayout:
     ``c`` is virtual pages ``[start[g, c], start[g, c + 1])``; virtual page ``p`` of head ``g``
     holds host rows ``[row0[g, p], row0[g, p] + length[g, p])`` (indices into that head's rows in
     ``HostLayer``), belongs to ``cluster[g, p]``, and sits in pool page ``pool[g, p]`` (-1: not on
-    the device)."""
+    the device). ``id``: the owner id the page cache records for its pool pages."""
 
     key: tuple[str, int]
     start: np.ndarray
@@ -103,6 +103,7 @@ class PageLayout:
     length: np.ndarray
     cluster: np.ndarray
     pool: np.ndarray
+    id: int = -1
 
 
 def page_layout(key: tuple[str, int], sizes: np.ndarray, page_rows: int) -> PageLayout:
@@ -165,8 +166,7 @@ class PageCache:
         self.v = torch.zeros(self.n_pages, page_rows, d_v, dtype=dtype, device=self.device)
         self.page_bytes = page_rows * (d_k + d_v) * self.k.element_size()
         self.layouts: dict[tuple[str, int], PageLayout] = {}
-        self.layout_ids: dict[tuple[str, int], int] = {}
-        self.by_id: dict[int, PageLayout] = {}
+        self.by_id: dict[int, PageLayout] = {}  # the same layouts, by PageLayout.id
         self.next_id = 0
         # per pool page: its owner (layout id, flat index into that layout's pool; -1 = free), CLOCK state
         self.owner_id = np.full(self.n_pages, -1, np.int64)
@@ -194,10 +194,9 @@ class PageCache:
         """Lay out a (request, layer)'s clusters (``sizes`` ``[H_kv, C]``), nothing on the device yet."""
         key = (rid, layer)
         self.drop_layout(key)
-        self.layouts[key] = page_layout(key, sizes.cpu().numpy().astype(np.int64), self.page_rows)
-        self.layout_ids[key] = self.next_id
-        self.by_id[self.next_id] = self.layouts[key]
-        self.next_id += 1
+        lay = page_layout(key, sizes.cpu().numpy().astype(np.int64), self.page_rows)
+        lay.id, self.next_id = self.next_id, self.next_id + 1
+        self.layouts[key] = self.by_id[lay.id] = lay
 
     def fetch(self, rid: str, layer: int, heads: np.ndarray, clusters: np.ndarray) -> Fetched:
         """Every page of clusters ``(heads[i], clusters[i])`` (sorted by head, then cluster), on
@@ -241,7 +240,7 @@ class PageCache:
             self.v[t] = v[:kept]
             flat_pos = head[:kept] * lay.pool.shape[1] + vpage[:kept]
             lay.pool.reshape(-1)[flat_pos] = pages
-            self.owner_id[pages] = self.layout_ids[lay.key]
+            self.owner_id[pages] = lay.id
             self.owner_pos[pages] = flat_pos
             self.stamp[pages] = self.tick
             self.ref[pages] = True
@@ -299,7 +298,7 @@ class PageCache:
         lay = self.layouts.pop(key, None)
         if lay is None:
             return
-        del self.by_id[self.layout_ids.pop(key)]
+        del self.by_id[lay.id]
         pages = lay.pool[lay.pool >= 0]
         self.owner_id[pages] = -1
         self.ref[pages] = False

@@ -46,25 +46,31 @@ class WaveIndex:
         return self.centroids.shape[1]
 
 
+def per_head_sums(assign: torch.Tensor, x: torch.Tensor, n_clusters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``x`` ``[H, n, d]`` with cluster ids ``assign`` ``[H, n]`` (``< n_clusters``, one id
+    space per head): (row counts ``[H, C]`` int64, row sums ``[H, C, d]`` float32)."""
+    h, _, d = x.shape
+    ids = (assign + (torch.arange(h, device=x.device) * n_clusters).view(h, 1)).flatten()  # head h: h*C + c
+    counts = torch.bincount(ids, minlength=h * n_clusters).view(h, n_clusters)
+    sums = torch.zeros(h * n_clusters, d, device=x.device).index_add_(0, ids, x.reshape(-1, d).float())
+    return counts, sums.view(h, n_clusters, d)
+
+
 def kmeans(x: torch.Tensor, n_clusters: int, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Lloyd's k-means of ``x`` ``[n, d]`` or, one problem per head, ``[H, n, d]`` (float32, any
     device), deterministic init at evenly spaced rows. Returns (assignment ``[n]`` / ``[H, n]``
     int64, centroids ``[C, d]`` / ``[H, C, d]``). Ties go to the lower cluster id."""
     flat = x.dim() == 2
     x = x.unsqueeze(0) if flat else x
-    h, n, d = x.shape
+    h, n, _ = x.shape
     init = torch.div(torch.arange(n_clusters, device=x.device) * n, n_clusters, rounding_mode="floor")
     centroids = x[:, init].clone()
-    base = (torch.arange(h, device=x.device) * n_clusters).view(h, 1)  # head h's clusters: h*C + c
     assign = torch.zeros(h, n, dtype=torch.int64, device=x.device)
     for _ in range(max(1, iters)):
         assign = torch.cdist(x, centroids).argmin(dim=2)  # argmin keeps the first of ties
-        ids = (assign + base).flatten()
-        sums = torch.zeros(h * n_clusters, d, device=x.device).index_add_(0, ids, x.reshape(-1, d))
-        counts = torch.bincount(ids, minlength=h * n_clusters)
+        counts, sums = per_head_sums(assign, x, n_clusters)
         moved = counts > 0
-        cent = centroids.view(-1, d)
-        cent[moved] = sums[moved] / counts[moved, None]
+        centroids[moved] = sums[moved] / counts[moved].unsqueeze(-1)
     return (assign[0], centroids[0]) if flat else (assign, centroids)
 
 
@@ -84,12 +90,10 @@ def build_wave_index(k: torch.Tensor, v: torch.Tensor, segment: int, tokens_per_
         base += c
     # the cluster count depends only on n and the segments, so every head has the same
     assign = torch.cat(assign_parts, dim=1)  # [H_kv, n]
-    ids = (assign + (torch.arange(hkv, device=k.device) * base).view(-1, 1)).flatten()
-    counts = torch.bincount(ids, minlength=hkv * base).view(hkv, base)
-    vsums = torch.zeros(hkv * base, vh.shape[-1], device=k.device).index_add_(0, ids, vh.reshape(-1, vh.shape[-1]))
+    counts, vsums = per_head_sums(assign, vh, base)
     order = torch.sort(assign, dim=1, stable=True).indices  # rows by cluster, ascending within one
     offsets = torch.cat([counts.new_zeros(hkv, 1), counts.cumsum(1)], dim=1)
-    return WaveIndex(torch.cat(cent_parts, dim=1), counts, vsums.view(hkv, base, -1), order, offsets)
+    return WaveIndex(torch.cat(cent_parts, dim=1), counts, vsums, order, offsets)
 
 
 def retrieve_clusters(q: torch.Tensor, index: WaveIndex, n_retrieve: int) -> torch.Tensor:
