@@ -6,7 +6,11 @@ Variants: ``dense+radix``; ``M+chain`` and ``M`` for any eviction method M of ``
 ``dense+prune@R``. With ``--gpu`` the servers get ``bench_long_context.GPU_FLAGS`` (dummy weights,
 Triton attention) and ``--model-path``; ``--kv-splits`` sweeps SGLang's
 ``--triton-attention-num-kv-splits`` for the dense variants and keeps the fastest (all kept in
-the JSON under ``tuning``), so every ratio is over dense + radix at its best.
+the JSON under ``tuning``), so every ratio is over dense + radix at its best; ``--compile-splits``
+adds dense runs with ``--enable-torch-compile`` (``--torch-compile-max-bs``) at those split counts.
+A sweep that does not fit one GPU call runs in several (one ``--out`` each); ``--merge A.json
+B.json ... --out C.json`` then keeps, per variant, the best run of all the files (every run kept
+under ``tuning``) and prints the table.
 
 Synthetic trajectories: each of ``--sessions`` concurrent sessions starts with a system prompt
 (``--system`` tokens) and a task, then for ``--turns`` turns the model answers (``--answer``
@@ -99,7 +103,12 @@ def session(base_url: str, s: int, args, use_chain: bool, out: list, keep: float
     out[s] = records
 
 
-def run_variant(name: str, args, splits: int | None = None) -> dict:
+def config_key(splits: int | None, compiled: bool) -> str:
+    """The tuning key of one dense configuration: ``16``, ``16+compile``, ``default``."""
+    return ("default" if splits is None else str(splits)) + ("+compile" if compiled else "")
+
+
+def run_variant(name: str, args, splits: int | None = None, compiled: bool = False) -> dict:
     flags = variant_flags(name, args.budget) + ["--max-total-tokens", str(args.pool), "--log-level", "warning"]
     if args.gpu:
         from bench_long_context import GPU_FLAGS
@@ -109,6 +118,8 @@ def run_variant(name: str, args, splits: int | None = None) -> dict:
         flags += ["--model-path", args.model_path]
     if splits is not None:
         flags += ["--triton-attention-num-kv-splits", str(splits)]
+    if compiled:
+        flags += ["--enable-torch-compile", "--torch-compile-max-bs", str(args.torch_compile_max_bs)]
     with ServerProcess(flags + args.extra, start_timeout=args.start_timeout) as srv:
         url, peak, done = srv.base_url, 0, threading.Event()
 
@@ -138,6 +149,7 @@ def run_variant(name: str, args, splits: int | None = None) -> dict:
     errors = [r["error"] for r in turns if "error" in r]
     prunes = [r["prune"] for r in turns if "prune" in r]
     return {"wall_s": wall, "requests": len(turns), "errors": errors[:3], "kv_splits": splits,
+            "torch_compile": compiled,
             "prefilled_tokens": sum(r["prompt"] - r["cached"] for r in turns if "prompt" in r),
             "reused_tokens": sum(r["reused"] for r in turns if "prompt" in r),
             "peak_kv_occupied": peak, "kv_occupied_at_end": final["kv_total_slots"] - final["kv_free_slots"],
@@ -148,6 +160,32 @@ def run_variant(name: str, args, splits: int | None = None) -> dict:
             "final_answers": [rs[-1].get("answer") if rs else None for rs in out]}
 
 
+def best_run(runs: dict) -> dict:
+    """The fastest run without errors (else the first one, which says what failed)."""
+    ok = {k: r for k, r in runs.items() if "wall_s" in r and not r["errors"]}
+    return min(ok.values(), key=lambda r: r["wall_s"]) if ok else next(iter(runs.values()))
+
+
+def merge(paths: list[str]) -> tuple[dict, dict, dict]:
+    """Results of several runs of this script (e.g. one per GPU call): per variant the fastest
+    run of all the files; ``tuning`` keeps every run's wall time by ``file:config``; ``sources``
+    each file's command. A file's runs of one variant are its best (``results``) plus its sweep."""
+    runs: dict[str, dict] = {}
+    tuning: dict[str, dict] = {}
+    sources = {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        sources[Path(path).name] = data.get("command")
+        for name, r in data["results"].items():
+            key = f"{Path(path).name}:{config_key(r.get('kv_splits'), r.get('torch_compile', False))}"
+            runs.setdefault(name, {})[key] = r
+            tuning.setdefault(name, {})[key] = r.get("wall_s", r.get("error"))
+            for cfg, wall in data.get("tuning", {}).get(name, {}).items():  # the file's other configs
+                tuning[name].setdefault(f"{Path(path).name}:{cfg}", wall)
+    results = {name: best_run(r) for name, r in runs.items()}
+    return results, {k: v for k, v in tuning.items() if len(v) > 1}, sources
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
@@ -155,6 +193,11 @@ def main() -> None:
     ap.add_argument("--gpu", action="store_true", help="GPU server flags (bench_long_context.GPU_FLAGS)")
     ap.add_argument("--kv-splits", type=int, nargs="*", default=[],
                     help="--triton-attention-num-kv-splits values swept for the dense variants (best wall kept)")
+    ap.add_argument("--compile-splits", type=int, nargs="*", default=[],
+                    help="kv-splits values run with --enable-torch-compile for the dense variants (swept too)")
+    ap.add_argument("--torch-compile-max-bs", type=int, default=8)
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="no servers: merge these result files (best run per variant) into --out")
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--sessions", type=int, default=4)
     ap.add_argument("--turns", type=int, default=4)
@@ -170,22 +213,30 @@ def main() -> None:
     cut = argv.index("--") if "--" in argv else len(argv)
     args = ap.parse_args(argv[:cut])
     args.extra = argv[cut + 1 :]
-    for name in args.variants:
-        variant_flags(name, args.budget)  # an unknown name fails before any server starts
-    results, tuning = {}, {}
-    for name in args.variants:
-        sweep = args.kv_splits if is_dense(name) and args.kv_splits else [None]
-        runs = {}
-        for splits in sweep:
-            try:
-                runs[splits] = run_variant(name, args, splits)
-            except Exception as err:  # keep what was measured; say what failed
-                runs[splits] = {"error": repr(err)}
-            print(name, f"kv-splits={splits}", json.dumps(runs[splits]), flush=True)
-        ok = {k: r for k, r in runs.items() if "wall_s" in r and not r["errors"]}
-        results[name] = min(ok.values(), key=lambda r: r["wall_s"]) if ok else next(iter(runs.values()))
-        if len(sweep) > 1:
-            tuning[name] = {str(k): r.get("wall_s", r.get("error")) for k, r in runs.items()}
+    if args.merge:
+        results, tuning, sources = merge(args.merge)
+        first = json.loads(Path(args.merge[0]).read_text())["settings"]  # the workload, for the header
+        for key in ("sessions", "turns", "system", "tool_output", "answer", "tool_wait", "budget"):
+            setattr(args, key, first[key])
+    else:
+        for name in args.variants:
+            variant_flags(name, args.budget)  # an unknown name fails before any server starts
+        results, tuning, sources = {}, {}, None
+        for name in args.variants:
+            dense = is_dense(name)
+            sweep = [(s, False) for s in args.kv_splits] + [(s, True) for s in args.compile_splits] if dense else []
+            sweep = sweep or [(None, False)]
+            runs = {}
+            for splits, compiled in sweep:
+                key = config_key(splits, compiled)
+                try:
+                    runs[key] = run_variant(name, args, splits, compiled)
+                except Exception as err:  # keep what was measured; say what failed
+                    runs[key] = {"error": repr(err)}
+                print(name, key, json.dumps(runs[key]), flush=True)
+            results[name] = best_run(runs)
+            if len(sweep) > 1:
+                tuning[name] = {k: r.get("wall_s", r.get("error")) for k, r in runs.items()}
     print(f"\n{args.sessions} sessions x {args.turns} turns; system {args.system}, tool output {args.tool_output}, "
           f"answer {args.answer} tokens, tool wait {args.tool_wait}s, eviction budget {args.budget}")
     print(f"{'variant':<17}{'wall s':>8}{'prefilled':>11}{'reused':>9}{'peak KV':>9}{'KV at end':>10}"
@@ -202,9 +253,11 @@ def main() -> None:
             same = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
         print(f"{name:<17}{r['wall_s']:>8.1f}{r['prefilled_tokens']:>11}{r['reused_tokens']:>9}"
               f"{r['peak_kv_occupied']:>9}{r['kv_occupied_at_end']:>10}{r['prunes']['freed_slots']:>7}{same:>12}{speed:>10}")
-    path = write_json(args.out, {"command": "python " + " ".join(sys.argv), "machine": platform.platform(),
-                                 "settings": {k: v for k, v in vars(args).items()}, "tuning": tuning,
-                                 "results": results})
+    body = {"command": "python " + " ".join(sys.argv), "machine": platform.platform(),
+            "settings": {k: v for k, v in vars(args).items()}, "tuning": tuning, "results": results}
+    if sources is not None:
+        body["sources"] = sources
+    path = write_json(args.out, body)
     print(f"wrote {path}")
 
 

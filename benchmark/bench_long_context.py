@@ -95,6 +95,11 @@ def variant(name: str, budget: int, prompt_len: int = 32768) -> tuple[str, list[
                    str(ONLINE_INTERVAL["skipkv"]), "--chain-cache", "off"],
         "kvzip": ["--sparse-method", "kvzip", "--sparse-keep-ratio", f"{budget / prompt_len:.6g}",
                   "--chain-cache", "off"],
+        # KVzip compresses each prompt once (prompt + probe, one output token, parked as a chain),
+        # then every request resumes its compacted chain together (park_chains): the probes admit
+        # one 32K request at a time, so without this the first requests finish before the last starts
+        "kvzip-chain": ["--sparse-method", "kvzip", "--sparse-keep-ratio", f"{budget / prompt_len:.6g}",
+                        "--chain-cache", "on"],
         "fp8": ["--sparse-method", "fp8", "--page-size", "16"],
         # 2-bit, G = 32, R = 128; a quarter of the pool's bytes stays full-precision slots
         "kivi": ["--sparse-method", "kivi", "--sparse-bits", "2", "--chain-cache", "off"],
@@ -121,17 +126,19 @@ class Stream(threading.Thread):
     aborts the request) once ``stop`` is set."""
 
     def __init__(self, base_url: str, ids: list[int], max_new: int, stop: threading.Event,
-                 timeout: float = 3600) -> None:
+                 timeout: float = 3600, params: dict | None = None) -> None:
         super().__init__(daemon=True)
         self.url, self.ids, self.max_new, self.stop = base_url + "/generate", ids, max_new, stop
-        self.timeout = timeout
+        self.timeout, self.params = timeout, params or {}
         self.times: list[float] = []
         self.meta: dict = {}  # the last chunk's meta_info
+        self.chain: dict = {}  # chain_status / reused_tokens (on the first chunk only)
         self.error: str | None = None
 
     def run(self) -> None:
         body = {"input_ids": self.ids, "stream": True,
-                "sampling_params": {"temperature": 0, "max_new_tokens": self.max_new, "ignore_eos": True}}
+                "sampling_params": {"temperature": 0, "max_new_tokens": self.max_new, "ignore_eos": True,
+                                    **self.params}}
         try:
             with requests.post(self.url, json=body, stream=True, timeout=self.timeout) as resp:
                 resp.raise_for_status()
@@ -141,6 +148,8 @@ class Stream(threading.Thread):
                     if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
                         continue
                     self.meta = json.loads(line[5:])["meta_info"]
+                    if "chain_status" in self.meta:
+                        self.chain = {k: self.meta.get(k) for k in ("chain_id", "chain_status", "reused_tokens")}
                     count = self.meta["completion_tokens"]
                     now = time.monotonic()
                     self.times += [now] * (count - len(self.times))
@@ -155,9 +164,11 @@ def running(base_url: str) -> int:
 
 
 def decode_window(base_url: str, prompts: list[list[int]], max_new: int, warmup: int, window: int,
-                  timeout: float) -> dict:
+                  timeout: float, params: list[dict] | None = None) -> dict:
+    """``params``: extra sampling params per prompt (a chain to resume)."""
     stop = threading.Event()
-    streams = [Stream(base_url, p, max_new, stop) for p in prompts]
+    streams = [Stream(base_url, p, max_new, stop, params=params[i] if params else None)
+               for i, p in enumerate(prompts)]
     for s in streams:
         s.start()
     need, peak, t_start = warmup + window, 0, time.monotonic()
@@ -176,6 +187,9 @@ def decode_window(base_url: str, prompts: list[list[int]], max_new: int, warmup:
     errors = [s.error for s in streams if s.error]
     done = [s for s in streams if len(s.times) >= need]
     res = {"batch": len(prompts), "peak_running": peak, "completed_window": len(done), "errors": errors[:3]}
+    if params:  # resumed chains: how many were found, and the fewest rows any of them reused
+        res["chains_resumed"] = sum(s.chain.get("chain_status") == "resumed" for s in streams)
+        res["reused_tokens_min"] = min((s.chain.get("reused_tokens") or 0 for s in streams), default=0)
     if len(done) < len(streams):
         res["decode_tok_s"] = float("nan")
         return res
@@ -198,7 +212,7 @@ def make_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 def server(name: str, args, extra: list[str]) -> ServerProcess:  # noqa: D401
     module, flags = variant(name, args.budget, args.prompt_len)
     # KVzip prefills its reconstruction probe (a little over the prompt again) after the prompt
-    ctx = (kvzip_prefill(args.prompt_len) if name == "kvzip" else args.prompt_len) + args.output_len + 64
+    ctx = (kvzip_prefill(args.prompt_len) if name.startswith("kvzip") else args.prompt_len) + args.output_len + 64
     base = GPU_FLAGS if not args.cpu else ["--device", "cpu", "--log-level", "warning"]
     flags = ["--model-path", args.model_path, *base, *flags, "--max-total-tokens", str(pool_tokens(name, args)),
              "--context-length", str(ctx), *extra]
@@ -251,7 +265,7 @@ def capacity_batch(name: str, args) -> int:
     pool, L, N = pool_tokens(name, args), args.prompt_len, args.output_len
     if name == "snapkv":
         return (pool - L) // (args.budget + N) + 1
-    if name == "kvzip":  # the request being probed holds prompt + probe; every kept one ~ budget + N
+    if name.startswith("kvzip"):  # the request being probed holds prompt + probe; every kept one ~ budget + N
         # (a layer keeps its widest head's count for every head: /sparse/stats' kvzip_padded_entries
         # says how far over the budget that went; peak_running says what was resident)
         return (pool - kvzip_prefill(L)) // (args.budget + N) + 1
@@ -318,6 +332,44 @@ def kvzip_prefill(prompt_len: int) -> int:
     return prompt_len + context + chunks * (32 + c.tail)
 
 
+def free_slots(base_url: str) -> int:
+    return requests.get(base_url + "/sparse/stats", timeout=60).json()["kv_free_slots"]
+
+
+def park_chains(base_url: str, prompts: list[list[int]], probe_rows: int, grow: int,
+                timeout: float) -> tuple[list[list[int]], list[dict], dict]:
+    """Phase one of ``kvzip-chain``: the prompts one after another (the pool admits one 32K probe
+    at a time anyway), each with one output token; the server compresses it and parks it as a
+    chain. It stops before a probe (``probe_rows`` free rows) would make the server reclaim a
+    parked chain, and drops the last chain if the parked ones could not each grow by ``grow``
+    output rows: KVzip's kept rows per request depend on the scores (a layer keeps its widest
+    head's count for every head), so the resident batch is found here, not by arithmetic.
+    Returns the continuations (prompt + its output token: the chain extended by its last token
+    only, so no second probe), their sampling params (the chain to resume) and what it cost."""
+    t0, conts, params, seconds, errors = time.monotonic(), [], [], [], []
+    for p in prompts:
+        if free_slots(base_url) < probe_rows:
+            break
+        t = time.monotonic()
+        resp = requests.post(base_url + "/generate", timeout=timeout, json={
+            "input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": 1}})
+        body = resp.json()
+        chain = body.get("meta_info", {}).get("chain_id") if resp.status_code == 200 else None
+        if chain is None:
+            errors.append(body.get("message") or resp.status_code)
+            break
+        seconds.append(time.monotonic() - t)
+        conts.append(p + body["output_ids"])
+        params.append({"custom_params": {"chain_id": chain}})
+        if free_slots(base_url) < len(conts) * grow:  # no room for every output: one fewer
+            requests.delete(base_url + f"/chain/{chain}", timeout=60)
+            conts.pop(), params.pop()
+            break
+    info = {"seconds": time.monotonic() - t0, "parked": len(conts), "errors": errors[:3],
+            "seconds_per_prompt": seconds, "free_slots_after": free_slots(base_url)}
+    return conts, params, info
+
+
 def prefill_chunk(args) -> int | None:
     """``--chunked-prefill-size`` given to the servers after ``--`` (None: SGLang picks it)."""
     extra = args.extra
@@ -341,8 +393,15 @@ def run_variant(name: str, args, extra: list[str], batches: list[int], prompts, 
                 res["kv"] = {k: st.json().get(k) for k in ("kv_bytes_per_token", "kv_total_slots", "kv_bytes_total")}
             for b in batches:
                 max_new = args.output_len if args.experiment == "capacity" else args.warmup + args.window + 2
-                res[str(b)] = decode_window(srv.base_url, prompts[:b], max_new, args.warmup, args.window,
-                                            args.timeout)
+                todo, params = prompts[:b], None
+                if name == "kvzip-chain":
+                    todo, params, parked = park_chains(srv.base_url, todo, kvzip_prefill(args.prompt_len),
+                                                       args.output_len, args.timeout)
+                    print(name, b, "parked", json.dumps(parked), flush=True)
+                res[str(b)] = decode_window(srv.base_url, todo, max_new, args.warmup, args.window,
+                                            args.timeout, params)
+                if params is not None:
+                    res[str(b)]["park"] = parked
                 print(name, b, f"kv-splits={splits}" if splits else "", json.dumps(res[str(b)]), flush=True)
                 save()
     except Exception as err:  # keep what was measured; say what failed

@@ -30,6 +30,11 @@
 #   capacity-eviction  R-KV, SnapKV and dense (16 splits) at a 98,304-token pool               ~6 min
 #   capacity-kvzip  KVzip's kernel test, then KVzip (probe at 32K: 65K rows while it runs), dense
 #                   (16 / 64 splits), SnapKV, 98,304 pool (~8 min, est.)
+#   capacity-kvzip-chain  issue 16: KVzip compresses each 32K prompt once and parks it as a chain, then
+#                   all resume and decode together; dense (16 / 64 splits), SnapKV; 98,304 pool (~9 min, est.)
+#   agent-replay9-a / -b  the 9-turn replay with dense tuned in the session's consecutive calls: (a) SnapKV +
+#                   chain, dense + radix at 16 splits with --enable-torch-compile (dense first); (b) dense + radix at 32
+#                   splits, then tests-retroinfer; merge: bench_agent_replay.py --merge (~9 min each, est.)
 #   matched   8B shape, 32K: plain SGLang vs dense vs Quest(2048) at batch 1 2 4 8       ~8 min
 #   matched128k-dense   8B shape, 128K, batch 1 2 4: dense tuned over 32 / 64 kv splits  ~9 min
 #   matched128k-sparse  the same prompts: Quest(2048) and OmniKV(2048)                   ~9 min
@@ -181,6 +186,29 @@ for stage in "$@"; do
         -- --cuda-graph-bs-decode 1 2 4 8 16 17 2>&1 | tee "$OUT/$stage.txt" ;;
     tests-kvzip)
       gpu_tests "$stage" test/test_gpu_server.py -k kvzip ;;
+    capacity-kvzip-chain)  # issue 16: KVzip's decode figure. capacity-kvzip's requests never decoded
+      # together (one 22 s probe at a time, the first left its window first); here bench_long_context
+      # parks each compressed prompt as a chain (1 output token), then resumes all at once (no probe)
+      timeout 560 python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 98304 \
+        --prompt-len 32768 --output-len 2048 --methods kvzip-chain dense snapkv --tune dense --kv-splits 16 64 \
+        --timeout 240 --out "$OUT/long_capacity_32k_kvzip_chain.json" \
+        -- --cuda-graph-bs-decode 1 2 4 8 16 17 2>&1 | tee "$OUT/$stage.txt" ;;
+    agent-replay9-a|agent-replay9-b)  # issue 16: the 9-turn replay (dense ~250 s, SnapKV ~75 s per run)
+      A9=(--gpu --model-path "$M8" --sessions 32 --turns 9 --system 4096 --tool-output 2048 --answer 64
+          --budget 2048 --pool 98304)
+      if [ "$stage" = agent-replay9-a ]; then  # dense first (compile start + ~250 s), SnapKV in what is left
+        timeout 420 python3 benchmark/bench_agent_replay.py "${A9[@]}" --variants dense+radix --compile-splits 16 \
+          --torch-compile-max-bs 8 --out "$OUT/agent_replay9_tuned_dense16c.json" \
+          -- --cuda-graph-bs-decode 1 2 4 8 16 24 32 2>&1 | tee "$OUT/$stage-dense.txt"
+        timeout $((565 - SECONDS + start)) python3 benchmark/bench_agent_replay.py "${A9[@]}" --variants snapkv+chain \
+          --out "$OUT/agent_replay9_tuned_snapkv.json" -- --cuda-graph-bs-decode 1 2 4 8 16 24 32 \
+          2>&1 | tee "$OUT/$stage-snapkv.txt"
+      else
+        timeout 330 python3 benchmark/bench_agent_replay.py "${A9[@]}" --variants dense+radix --kv-splits 32 \
+          --out "$OUT/agent_replay9_tuned_dense32.json" -- --cuda-graph-bs-decode 1 2 4 8 16 24 32 \
+          2>&1 | tee "$OUT/$stage-dense.txt"
+        GPU_TEST_TIMEOUT=215 gpu_tests tests-retroinfer test/test_gpu_payload.py -k retroinfer
+      fi ;;
     agent-replay8-dense|agent-replay8-evict)  # the same sessions over 8 turns (dense re-prefills each
       # evicted session's whole history: its prefill grows with the square of the turns, a chain's linearly)
       if [ "$stage" = agent-replay8-dense ]; then vs=(dense+radix); sp=(16 8); else vs=(snapkv+chain); sp=(16); fi
