@@ -176,8 +176,13 @@ def merge(paths: list[str]) -> tuple[dict, dict, dict]:
     for path in paths:
         data = json.loads(Path(path).read_text())
         sources[Path(path).name] = data.get("command")
+        settings = data.get("settings", {})
         for name, r in data["results"].items():
-            key = f"{Path(path).name}:{config_key(r.get('kv_splits'), r.get('torch_compile', False))}"
+            splits, compiled = r.get("kv_splits"), r.get("torch_compile", False)
+            if "error" in r and "kv_splits" not in r and is_dense(name):  # older files: the file's one config
+                one = [(s, True) for s in settings.get("compile_splits", [])] + [(s, False) for s in settings.get("kv_splits", [])]
+                splits, compiled = one[0] if len(one) == 1 else (None, False)
+            key = f"{Path(path).name}:{config_key(splits, compiled)}"
             runs.setdefault(name, {})[key] = r
             tuning.setdefault(name, {})[key] = r.get("wall_s", r.get("error"))
             for cfg, wall in data.get("tuning", {}).get(name, {}).items():  # the file's other configs
@@ -232,7 +237,7 @@ def main() -> None:
                 try:
                     runs[key] = run_variant(name, args, splits, compiled)
                 except Exception as err:  # keep what was measured; say what failed
-                    runs[key] = {"error": repr(err)}
+                    runs[key] = {"error": repr(err), "kv_splits": splits, "torch_compile": compiled}
                 print(name, key, json.dumps(runs[key]), flush=True)
             results[name] = best_run(runs)
             if len(sweep) > 1:

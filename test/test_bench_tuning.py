@@ -67,3 +67,36 @@ def test_every_agent_replay_variant_is_a_valid_server_configuration():
 
     with pytest.raises(ValueError, match="unknown variant"):
         R.variant_flags("snapkv+radix", 256)
+
+
+def test_agent_replay_merge_keeps_the_fastest_dense_of_every_file_and_every_failed_config(tmp_path):
+    """A dense sweep that needs several GPU calls is merged: the fastest run of all files is the
+    baseline, and a configuration that failed (e.g. a compiled server that did not start) stays
+    in ``tuning`` under its own name instead of vanishing."""
+    import json
+
+    import bench_agent_replay as A
+
+    settings = {"sessions": 2, "turns": 3, "system": 8, "tool_output": 4, "answer": 2, "tool_wait": 0,
+                "budget": 4}
+
+    def run(wall, splits, compiled=False):
+        return {"wall_s": wall, "errors": [], "kv_splits": splits, "torch_compile": compiled}
+
+    files = {
+        "a.json": {"settings": {**settings, "kv_splits": [16, 32]}, "tuning": {"dense+radix": {"16": 30.0, "32": 25.0}},
+                   "results": {"dense+radix": run(25.0, 32), "snapkv+chain": run(10.0, None)}},
+        "b.json": {"settings": {**settings, "kv_splits": [8]}, "results": {"dense+radix": run(20.0, 8)}},
+        "c.json": {"settings": {**settings, "compile_splits": [16], "kv_splits": []},
+                   "results": {"dense+radix": {"error": "ServerStartError('not healthy')"}}},
+    }
+    paths = []
+    for name, body in files.items():
+        (tmp_path / name).write_text(json.dumps(body))
+        paths.append(str(tmp_path / name))
+    results, tuning, sources = A.merge(paths)
+    assert results["dense+radix"]["wall_s"] == 20.0 and results["dense+radix"]["kv_splits"] == 8
+    assert results["snapkv+chain"]["wall_s"] == 10.0
+    assert tuning["dense+radix"] == {"a.json:32": 25.0, "a.json:16": 30.0, "b.json:8": 20.0,
+                                     "c.json:16+compile": "ServerStartError('not healthy')"}
+    assert set(sources) == {"a.json", "b.json", "c.json"}
