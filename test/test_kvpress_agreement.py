@@ -26,9 +26,11 @@ selection itself is compared; each is asserted or printed below):
 - transformers 5.19 no longer passes ``cache_position`` to attention layers, which kvpress
   0.5.2's hooks read: a pre-hook here supplies it (``_cache_position_shim``); without it every
   press fails with ``KeyError: 'cache_position'``.
-- H2O (kvpress ``ObservedAttentionPress``) is not compared: kvpress averages each key's attention
-  over the queries that see it and has no recent window; H2O sums and keeps a recent window (and
-  H2O is not on this branch).
+- H2O (kvpress ``ObservedAttentionPress``) is not compared: kvpress scores a key by the average
+  attention it receives over the prompt's queries, once after prefill, with no recent window; our
+  ``methods/h2o.py`` follows the H2O paper: it sums the attention (so early keys, seen by more
+  queries, weigh more), keeps a recent window, and evicts online between prompt chunks and every
+  ``--sparse-interval`` decode tokens. No setting of either makes the two rankings the same.
 """
 
 from __future__ import annotations
