@@ -120,6 +120,31 @@ def test_chain_continuation_resumes_and_prefills_only_its_suffix(server):
     assert (rec["status"], rec["processed_tokens"], rec["retained_rows"]) == ("idle", 127, BUDGET + 3)
 
 
+def test_retention_map_of_a_chain_shows_the_rows_each_head_kept(server):
+    """``GET /chain/{id}/retention``: per layer and KV head exactly the parked rows, as logical
+    positions; the rows decoded after the last eviction and the always-kept recent rows of that
+    eviction in every head (H2O: its recent window; R-KV: its query buffer's rows); heavy hitters
+    chosen per head, so the heads of a layer differ."""
+    o = gen(server, ids(100, 4), 4)
+    cid = o["meta_info"]["chain_id"]
+    rec = chain(server, cid)
+    resp = requests.get(f"{server.base_url}/chain/{cid}/retention", params={"format": "positions"}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    r = resp.json()
+    assert (r["method"], r["logical_len"], r["retained_rows"]) == (server.method, 103, rec["retained_rows"])
+    recent = 12 if server.method == "h2o" else 4  # --sparse-recent / --sparse-window
+    always = set(range(100 - recent, 103))  # the prompt's last rows at its eviction + 3 decoded
+    assert len(r["layers"]) == r["num_layers"] > 0
+    for layer in r["layers"]:
+        assert len(layer["heads"]) == r["kv_heads"]
+        for head in layer["heads"]:
+            pos = head["positions"]
+            assert len(pos) == BUDGET + 3 and pos == sorted(set(pos)) and pos[-1] < 103
+            assert always <= set(pos)
+    assert any(len({str(h["positions"]) for h in layer["heads"]}) > 1 for layer in r["layers"])
+    requests.delete(f"{server.base_url}/chain/{cid}", timeout=60)
+
+
 LONG = 512  # 8 chunks of 64 (1.5K works the same, 24 chunks, but takes minutes on a shared CPU)
 
 

@@ -104,6 +104,26 @@ def test_chain_continuation_resumes_and_prefills_only_its_suffix(server, tok):
     assert rec["retained_rows"] == kept + len(suffix) - delta(after, before, "rows_released")
 
 
+def test_retention_map_shows_whole_sentences_kept_alike_in_every_layer_and_head(server, tok):
+    """``GET /chain/{id}/retention``: SkipKV's segment scores are shared by every layer and KV
+    head, so every head keeps the same logical positions: the sinks, the rows decoded after the
+    last eviction, and no sentence cut in two outside the sinks and the recent window."""
+    p = tok.encode(TEXT * 2)[:100]
+    o = gen(server, p, 4)
+    cid = o["meta_info"]["chain_id"]
+    rec = chain(server, cid)
+    resp = requests.get(f"{server.base_url}/chain/{cid}/retention", params={"format": "positions"}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    r = resp.json()
+    assert (r["method"], r["logical_len"], r["retained_rows"]) == ("skipkv", 103, rec["retained_rows"])
+    maps = {str(h["positions"]) for layer in r["layers"] for h in layer["heads"]}
+    assert len(maps) == 1  # one choice for the whole request
+    pos = r["layers"][0]["heads"][0]["positions"]
+    assert len(pos) == rec["retained_rows"] < 103 and pos == sorted(set(pos))
+    assert set(range(4)) | {100, 101, 102} <= set(pos)  # sinks + the 3 decoded rows
+    requests.delete(f"{server.base_url}/chain/{cid}", timeout=60)
+
+
 def test_a_long_prompt_is_evicted_between_its_chunks(server, tok):
     """``--sparse-evict-prefill on`` (the default): a 7-chunk prompt is evicted after every chunk
     that leaves it INTERVAL or more rows past the budget (chunks 2..7), not only after its last;
