@@ -53,15 +53,6 @@ class RowsTailDecodeView:
 
 
 @dataclass(frozen=True)
-class PrefillView:
-    """Prefill reads every resident row causally unless a method narrows it (sparse prefill).
-    ``row_limit[i]``: request i's chunk attends rows ``[0, row_limit[i])`` of earlier context
-    plus itself causally."""
-
-    row_limit: tuple[int, ...]
-
-
-@dataclass(frozen=True)
 class BlockSparsePrefillView:
     """A prefill or mixed step under a sparse prefill policy (``--sparse-prefill``): where
     ``sparse[i]``, request i's chunk (logical positions ``[row_start, row_start + s)``, the same
