@@ -128,6 +128,12 @@ def test_plugin_registrations_happen_in_the_scheduler(server):
     assert sparse["launcher"]["pid"] == server.proc.pid
     assert "route:/sparse/info" in sparse["launcher"]["registrations"]
     assert sparse["schedulers"] == [scheduler]
+    # every method of the paper's table, with its family, and the sparse prefill policy
+    available = {m["name"]: m["family"] for m in sparse["available"]["methods"]}
+    assert set(available) == {"dense", "quest", "omnikv", "retroinfer", "streamingllm", "snapkv", "pyramidkv",
+                              "h2o", "rkv", "skipkv", "kvzip", "palu", "deltakv", "kivi", "turboquant", "fp8"}
+    assert (available["quest"], available["kivi"]) == ("dynamic selection", "quantization")
+    assert [p["name"] for p in sparse["available"]["prefill"]] == ["flashprefill"]
 
 
 def test_failed_start_shows_the_server_traceback(tmp_path, request):

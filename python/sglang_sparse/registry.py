@@ -81,6 +81,14 @@ def prefill_names() -> list[str]:
     return sorted(_PREFILL)
 
 
+def catalog() -> dict[str, list[dict[str, str]]]:
+    """Every registered method and prefill policy, as ``GET /sparse/info`` lists them (``available``):
+    what ``--sparse-method`` and ``--sparse-prefill`` accept, with family and one-line summary."""
+    return {"methods": [{"name": m.name, "family": m.family, "summary": m.summary}
+                        for m in sorted(_METHODS.values(), key=lambda m: m.name)],
+            "prefill": [{"name": p.name, "summary": p.summary} for p in sorted(_PREFILL.values(), key=lambda p: p.name)]}
+
+
 def get_prefill(name: str) -> PrefillSpec:
     try:
         return _PREFILL[name]

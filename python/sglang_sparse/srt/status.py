@@ -182,12 +182,17 @@ def add_scheduler_record(result, controller, *args, **kwargs):
 
 
 async def sparse_info():
-    """GET /sparse/info: the launcher's record and one record per scheduler (per DP rank)."""
+    """GET /sparse/info: the launcher's record, one record per scheduler (per DP rank), and every
+    method and prefill policy this install can serve (``available``)."""
     from sglang.srt.entrypoints.http_server import get_global_state
+
+    import sglang_sparse.methods  # noqa: F401  (registers every method)
+    from sglang_sparse.registry import catalog
 
     states = await get_global_state().tokenizer_manager.get_internal_state()
     return {
         "config": activation.load_config(),
+        "available": catalog(),
         "launcher": process_record(),
         "schedulers": [s.get("sglang_sparse") for s in states],
     }
