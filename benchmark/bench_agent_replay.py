@@ -2,7 +2,8 @@
 without chains, and dense + radix cache with prefix-cache pruning of old tool results (``/prune``).
 
 Variants: ``dense+radix``; ``M+chain`` and ``M`` for any eviction method M of ``common.eviction_flags``
-(``snapkv``, ``pyramidkv``, ``h2o``, ``rkv``, ``skipkv``, ``streamingllm``; budget ``--budget``);
+(``snapkv``, ``pyramidkv``, ``h2o``, ``rkv``, ``skipkv``, ``streamingllm``; budget ``--budget``;
+``kvzip``: keep ratio ``budget / 8192`` of each turn's new context);
 ``dense+prune@R``. With ``--gpu`` the servers get ``bench_long_context.GPU_FLAGS`` (dummy weights,
 Triton attention) and ``--model-path``; ``--kv-splits`` sweeps SGLang's
 ``--triton-attention-num-kv-splits`` for the dense variants and keeps the fastest (all kept in

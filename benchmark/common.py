@@ -15,7 +15,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def eviction_flags(method: str, budget: int) -> list[str]:
     """Server flags of an eviction method keeping ``budget`` rows per request (H2O: a quarter of
-    them recent; StreamingLLM: 4 sinks + the rest recent; others at their defaults)."""
+    them recent; StreamingLLM: 4 sinks + the rest recent; others at their defaults). KVzip keeps a
+    ratio of each turn's new context, not a row count: ``budget / 8192`` (0.25 at 2,048, i.e. about
+    a quarter of a 4K system prompt and of each 2K tool output; its chain grows by that per turn)."""
     return {
         "snapkv": ["--sparse-budget", str(budget)],
         "pyramidkv": ["--sparse-budget", str(budget)],  # the average over layers
@@ -23,6 +25,7 @@ def eviction_flags(method: str, budget: int) -> list[str]:
         "rkv": ["--sparse-budget", str(budget)],
         "skipkv": ["--sparse-budget", str(budget)],
         "streamingllm": ["--sparse-sinks", "4", "--sparse-recent", str(budget - 4)],
+        "kvzip": ["--sparse-keep-ratio", f"{min(1.0, budget / 8192):.6g}"],
     }[method]
 
 

@@ -57,7 +57,7 @@ def test_every_agent_replay_variant_is_a_valid_server_configuration():
     from sglang_sparse.srt.launcher import sparse_config
 
     for name in ["dense+radix", "dense+prune@0.2", *(f"{m}{c}" for m in ["snapkv", "pyramidkv", "h2o", "rkv",
-                                                                         "skipkv", "streamingllm"]
+                                                                         "skipkv", "streamingllm", "kvzip"]
                                                     for c in ["", "+chain"])]:
         flags = R.variant_flags(name, 256)
         config, _ = sparse_config(["--model-path", "m", "--device", "cpu", *flags], log=lambda m: None)

@@ -35,6 +35,10 @@
 #   agent-replay9-a / -b  the 9-turn replay with dense tuned in the session's consecutive calls: (a) SnapKV +
 #                   chain, dense + radix at 16 splits with --enable-torch-compile (dense first); (b) dense + radix at 32
 #                   splits, then tests-retroinfer; merge: bench_agent_replay.py --merge (~9 min each, est.)
+#   capacity-payload-equal  issue 17 after the pool-split fix (7a3313b): Palu 0.5 / 0.75, TurboQuant 3-bit and
+#                   dense (16 / 64 splits) with the same KV bytes (check kv_bytes_total), 196,608 pool (~9 min, est.)
+#   agent-replay-more  issue 16: the 4-turn replay for SkipKV and KVzip + chain, dense + radix (16 / 32 splits)
+#                   in the same call (~7 min, est.)
 #   matched   8B shape, 32K: plain SGLang vs dense vs Quest(2048) at batch 1 2 4 8       ~8 min
 #   matched128k-dense   8B shape, 128K, batch 1 2 4: dense tuned over 32 / 64 kv splits  ~9 min
 #   matched128k-sparse  the same prompts: Quest(2048) and OmniKV(2048)                   ~9 min
@@ -193,6 +197,17 @@ for stage in "$@"; do
         --prompt-len 32768 --output-len 2048 --methods kvzip-chain dense snapkv --tune dense --kv-splits 16 64 \
         --timeout 240 --out "$OUT/long_capacity_32k_kvzip_chain.json" \
         -- --cuda-graph-bs-decode 1 2 4 8 16 17 2>&1 | tee "$OUT/$stage.txt" ;;
+    capacity-payload-equal)  # before 7a3313b the payload servers' stores took 3/4 of the memory's
+      # pool (710K tokens), not of --max-total-tokens: kv_bytes_total 104 GB against dense's 29 GB
+      timeout 560 python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 196608 \
+        --prompt-len 32768 --output-len 2048 --methods turboquant palu palu-0.75 dense --tune dense \
+        --kv-splits 16 64 --timeout 240 --out "$OUT/long_capacity_32k_payload_equal.json" \
+        -- --cuda-graph-bs-decode 1 2 4 8 16 21 24 32 2>&1 | tee "$OUT/$stage.txt" ;;
+    agent-replay-more)  # issue 16: the methods the 4-turn H200 replay lacked, with dense in the same call
+      timeout 560 python3 benchmark/bench_agent_replay.py --gpu --model-path "$M8" \
+        --variants skipkv+chain kvzip+chain dense+radix --kv-splits 16 32 --sessions 32 --turns 4 --system 4096 \
+        --tool-output 2048 --answer 64 --budget 2048 --pool 98304 --out "$OUT/agent_replay_h200_more.json" \
+        -- --cuda-graph-bs-decode 1 2 4 8 16 24 32 2>&1 | tee "$OUT/$stage.txt" ;;
     agent-replay9-a|agent-replay9-b)  # issue 16: the 9-turn replay (dense ~250 s, SnapKV ~75 s per run)
       A9=(--gpu --model-path "$M8" --sessions 32 --turns 9 --system 4096 --tool-output 2048 --answer 64
           --budget 2048 --pool 98304)
