@@ -50,6 +50,16 @@ def tree_units(s) -> int:
     return s["radix"]["evictable_units"] + s["radix"]["protected_units"]
 
 
+def radix_hit_prompt(tok, first: list[int]) -> tuple[list[int], list[int]]:
+    """(the context of ``turns``' first prompt without its closing words, a new prompt that asks
+    the needle question right after that context): a request without a chain that shares the
+    finished request's context, so it can start on the radix tree's blocks."""
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    tail = enc("\n\nRead this text.<|im_end|>\n<|im_start|>assistant\n")
+    context = first[: len(first) - len(tail)]
+    return context, context + enc(f"\n\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n")
+
+
 def blocks_chains_and_radix(server, hf, tok, method: str, group: int, residual: int, tol: float,
                             check_first: Callable[[dict], None] | None = None) -> None:
     """The flow above for ``method`` (its counters are ``<method>_blocks_written`` and
@@ -78,10 +88,7 @@ def blocks_chains_and_radix(server, hf, tok, method: str, group: int, residual: 
     # radix cache: a new request (no chain) on the same context starts on the cached blocks
     assert requests.delete(f"{server.base_url}/chain/{cid}", timeout=60).status_code == 200
     assert tree_units(stats(server)) >= (len(first) + 40 - residual - group) // group
-    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
-    tail = enc("\n\nRead this text.<|im_end|>\n<|im_start|>assistant\n")
-    context = first[: len(first) - len(tail)]
-    prompt3 = context + enc(f"\n\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n")
+    context, prompt3 = radix_hit_prompt(tok, first)
     out3 = gen(server, prompt3, 16)
     assert out3["meta_info"]["cached_tokens"] == len(context) // group * group > 0
     assert_same_as_the_model(hf, prompt3, out3, 16, tol)

@@ -59,22 +59,15 @@ def test_a_new_request_starts_on_the_radix_trees_quantized_blocks(server, tok):
     """Radix cache: a request without a chain whose prompt shares a finished one's context starts
     on the tree's quantized blocks (``cached_tokens``: the whole blocks of the shared context),
     still finds the needle that lies only in them, and the tree's blocks go back on a flush."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
-    from bench_niah import QUESTION
+    from payload_flow import radix_hit_prompt, tree_units
 
     idle = stats(server)
     first, _ = turns(tok)
     out1 = gen(server, first, 8)
     assert requests.delete(f"{server.base_url}/chain/{out1['meta_info']['chain_id']}", timeout=60).status_code == 200
     s1 = stats(server)
-    assert s1["radix"]["evictable_units"] + s1["radix"]["protected_units"] >= (len(first) - R - G) // G
-    enc = lambda x: tok.encode(x, add_special_tokens=False)  # noqa: E731
-    tail = enc("\n\nRead this text.<|im_end|>\n<|im_start|>assistant\n")
-    context = first[: len(first) - len(tail)]
-    prompt = context + enc(f"\n\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n")
+    assert tree_units(s1) >= (len(first) - R - G) // G
+    context, prompt = radix_hit_prompt(tok, first)
     written = s1["counters"]["turboquant_blocks_written"]
     out = gen(server, prompt, 24)
     assert out["meta_info"]["cached_tokens"] == len(context) // G * G > 0
