@@ -31,7 +31,10 @@ SIZES = dict(ctx=32768, n_sel=2048, batches=(1, 8, 32), quick_batches=(8,), page
              # largest resident batch, PyramidKV's per-layer cells at budget 2048
              kivi_batches=(1, 22), kivi_group=32, kivi_res=144, cells_batches=(1, 40), cells_rows=2048,
              # OmniKV at the 128K matched runs: 2,048 chosen rows + 64 generated, logits over the table
-             omni_ctx=131072 + 2048, omni_batches=(1, 4), omni_sel=2048, omni_tail=64)
+             omni_ctx=131072 + 2048, omni_batches=(1, 4), omni_sel=2048, omni_tail=64,
+             # H2O / SkipKV prompt chunks at the capacity runs: 8,192 queries over the kept rows
+             # (budget 2,048 + interval 32) and the chunk's own
+             sums_chunk=8192, sums_held=2080)
 
 
 def parse_args():
@@ -46,7 +49,7 @@ def parse_args():
     ap.add_argument("--no-ref", action="store_true", help="do not time the torch references")
     ap.add_argument("--no-flush", action="store_true", help="keep L2 warm between calls")
     ap.add_argument("--only", nargs="*", default=None,
-                    help="case groups to run (decode quest snapkv compact kivi turboquant palu cells omnikv; "
+                    help="case groups to run (decode quest snapkv compact kivi turboquant palu cells omnikv attn_sums; "
                          "default all)")
     return ap.parse_args()
 
@@ -372,6 +375,24 @@ def omnikv_cases(dtype, quick, T, R, g):
                    ref=None)
 
 
+def attn_sums_cases(dtype, quick, T, R, g):
+    """Accumulated attention of a prompt chunk (``triton_attn_sums``, H2O / SkipKV / R-KV). It is
+    compute-bound: ``flops`` counts both passes' ``QK^T`` over the whole chunk x rows rectangle
+    (the causal triangle the kernel skips is counted too: an upper bound); bytes count q, the
+    keys once per pass and the output."""
+    from sgl_kernel_sparse import eviction_scores
+
+    t = SIZES["sums_chunk"]
+    n = t + SIZES["sums_held"]
+    k = torch.randn(n, HKV, D, generator=g, device=DEVICE).to(dtype)
+    q = torch.randn(t, HQ, D, generator=g, device=DEVICE).to(dtype)
+    rows = torch.arange(n - t, n, device=DEVICE)
+    moved = 2 * nbytes(q, k) + HKV * n * 4 + HQ * t * 4 * 2
+    yield dict(kernel="attention_sums", shape=f"S={t} N={n}", config="auto", bytes=moved,
+               flops=2 * 2 * t * n * HQ * D, run=lambda: T.attention_sums(q, k, rows),
+               ref=lambda: eviction_scores.attention_sums(q, k, rows))
+
+
 def main() -> int:
     args = parse_args()
     if not torch.cuda.is_available():
@@ -395,7 +416,8 @@ def main() -> int:
               "turboquant": lambda: turboquant_cases(dtype, args.quick, args.sweep, T, R, g),
               "palu": lambda: palu_cases(dtype, args.quick, args.sweep, T, R, g),
               "cells": lambda: cells_cases(dtype, args.quick, T, R, g),
-              "omnikv": lambda: omnikv_cases(dtype, args.quick, T, R, g)}
+              "omnikv": lambda: omnikv_cases(dtype, args.quick, T, R, g),
+              "attn_sums": lambda: attn_sums_cases(dtype, args.quick, T, R, g)}
     unknown = set(args.only or ()) - set(groups)
     if unknown:
         print(f"--only: unknown group(s) {sorted(unknown)}; allowed: {sorted(groups)}", file=sys.stderr)

@@ -20,8 +20,7 @@ Memory: ``4 * num_layers * num_slots * kv_heads`` bytes besides the pool (SmolLM
 from __future__ import annotations
 
 import torch
-from sgl_kernel_sparse import token_logits
-from sgl_kernel_sparse.eviction_scores import attention_sums
+from sgl_kernel_sparse import attention_sums, token_logits
 
 from sglang_sparse.core.events import DecodeBatch, LayerInput
 

@@ -45,8 +45,10 @@ decode layer adds its queries' attention (``token_logits`` over the first ``budg
 columns of the slot table) into the persistent tensor, inside SGLang's decode CUDA graphs, and
 returns no view: attention is SGLang's own dense kernel over the retained rows. Prefill chunks
 score eagerly (``on_prefill_chunk``): each chunk's softmax attention over the request's rows is
-recomputed in plain torch, fp32 (``eviction_scores.attention_sums``, no fused kernel yet), an
-O(chunk x rows) pass per layer next to SGLang's own prefill attention. Scores move with their rows at compaction and stay with a
+recomputed next to SGLang's own prefill attention, an O(chunk x rows) pass per layer
+(``sgl_kernel_sparse.attention_sums``: on CUDA a two-pass flash-style Triton kernel,
+``triton_attn_sums``, that never holds the chunk x rows matrix; elsewhere the plain-torch fp32
+reference ``eviction_scores.attention_sums``). Scores move with their rows at compaction and stay with a
 parked chain's slots, so a Chain Cache continuation goes on from them.
 
 Parameters: ``budget`` rows kept per layer and KV head (heavy hitters + recent; the paper's

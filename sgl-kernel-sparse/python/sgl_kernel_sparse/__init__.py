@@ -8,6 +8,7 @@ directly. See README.md for shapes and index conventions.
 from . import reference
 from .reference import pyramid_budgets
 from .dispatch import (
+    attention_sums,
     cells_decode_attention,
     compact_kv,
     kvzip_probe_scores,
@@ -29,6 +30,7 @@ from .dispatch import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "attention_sums",
     "cells_decode_attention",
     "compact_kv",
     "kvzip_probe_scores",

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from . import reference
+from . import eviction_scores, reference
 
 
 _TRITON: list = []  # [module or None] once loaded (a plain list: torch.compile traces reads of it)
@@ -140,6 +140,15 @@ def kvzip_probe_scores(q_probe, keys, q_positions, context_len, scale=None, quer
                                          q_positions[lo: lo + query_block], context_len, scale)
         best = s if best is None else torch.maximum(best, s)
     return best
+
+
+def attention_sums(q, keys, q_rows, scale=None, weights=None, **triton_kwargs):
+    """``eviction_scores.attention_sums`` (accumulated causal attention per key, ``[Hkv, N]``): on
+    CUDA the two-pass Triton kernel (``triton_attn_sums``, nothing of size ``S x N`` in memory);
+    elsewhere the reference over blocks of queries."""
+    if use_triton(q, keys, q_rows):
+        return _triton_ops().attention_sums(q, keys, q_rows, scale=scale, weights=weights, **triton_kwargs)
+    return eviction_scores.attention_sums(q, keys, q_rows, scale=scale, weights=weights)
 
 
 # Other selections stay in torch on every device (stable sorts: ties -> lower index).

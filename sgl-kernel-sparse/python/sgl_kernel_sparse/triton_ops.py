@@ -1,5 +1,6 @@
 """All Triton entry points (needs triton; import it after setting TRITON_INTERPRET if wanted)."""
 
+from .triton_attn_sums import attention_sums
 from .triton_cells import cells_decode_attention
 from .triton_compact import compact_kv
 from .triton_decode import paged_sparse_decode_attention, sparse_decode_attention
@@ -10,6 +11,7 @@ from .triton_select import select_top
 from .triton_snapkv import snapkv_window_scores
 
 __all__ = [
+    "attention_sums",
     "cells_decode_attention",
     "compact_kv",
     "kvzip_probe_scores",

@@ -1,0 +1,96 @@
+"""Accumulated attention (H2O, SkipKV, R-KV's prompt pass) without materialising the attention
+matrix: ``out[g, j] = sum_i w_i sum_{h in group(g)} A^h_{i,j}``, the causal softmax of queries
+``q [S, Hq, D]`` over keys ``[N, Hkv, D]`` (query i sees keys ``j <= q_rows[i]``), summed over the
+queries and over the query heads of each KV head's GQA group -> fp32 ``[Hkv, N]``.
+
+``eviction_scores.attention_sums`` (the plain-torch reference) builds the softmax of blocks of
+queries in fp32, ``[Hq, block, N]``: an 8,192-query prompt chunk over ~10K rows is ~2.7 G fp32
+logits per layer, the cost that made a 32K prompt of H2O take ~9 s on the H200. Here, two passes
+with flash-attention tiling:
+
+  1. the row log-sum-exp ``lse [Hq, S]`` (base 2): ``triton_kvzip``'s LSE pass, whose causal rule
+     (key n <= the query's position) is this one with ``q_rows`` as positions;
+  2. ``_attn_sums_kernel``, grid ``(cdiv(N, BLOCK_N), Hkv)``: each block of keys loops over its
+     group's query heads and the query blocks that can see it (a block whose largest row is below
+     the key block's first key is skipped: a chunk's own keys form a triangle), adding
+     ``w_i * 2^(logit - lse_i)`` for ``j <= q_rows[i]``.
+
+fp16 / bf16 go through tensor-core dots with fp32 accumulation (products of two 16-bit floats
+are exact in fp32, so only the summation order differs from the reference); fp32 uses IEEE
+dots, and bf16 does too under the CPU interpreter (its bf16 dots are wrong).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import check_gqa, check_rows, interpreting, pow2
+from .triton_kvzip import LOG2E, _kvzip_lse_kernel, _keys_t, _logits
+
+
+@triton.jit
+def _attn_sums_kernel(
+    Q, K, ROWS, LSE, W, OUT, qk_scale, S, N,
+    s_qs, s_qh, s_kn, s_kh,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_W: tl.constexpr, IEEE: tl.constexpr,
+):
+    nb = tl.program_id(0)
+    g = tl.program_id(1)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # key rows [0, N)
+    d = tl.arange(0, BLOCK_D)
+    k_t = _keys_t(K, s_kn, s_kh, g, n, N, d, D)
+    first = nb * BLOCK_N  # the block's first key: queries with a smaller row see none of it
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for gi in tl.static_range(GROUP):
+        h = g * GROUP + gi
+        for m0 in range(0, S, BLOCK_M):
+            m = m0 + tl.arange(0, BLOCK_M)
+            rows = tl.load(ROWS + m, mask=m < S, other=-1).to(tl.int64)  # padding: sees nothing
+            if tl.max(rows) >= first:
+                s = _logits(Q, s_qs, s_qh, h, m, S, k_t, qk_scale, d, D, IEEE)
+                lse = tl.load(LSE + h * S + m, mask=m < S, other=0.0)
+                p = tl.where(n[None, :] <= rows[:, None], tl.exp2(s - lse[:, None]), 0.0)
+                if HAS_W:
+                    p = p * tl.load(W + m, mask=m < S, other=0.0)[:, None]
+                acc += tl.sum(p, axis=0)
+    tl.store(OUT + g * N + n, acc, mask=n < N)
+
+
+def attention_sums(q, keys, q_rows, scale=None, weights=None, block_m=None, block_n=None):
+    """Triton version of ``eviction_scores.attention_sums``: fp32 ``[Hkv, N]``.
+
+    q ``[S, Hq, D]``, keys ``[N, Hkv, D]`` (same dtype, rows contiguous in D), q_rows ``[S]`` with
+    every entry in ``[0, N)``, weights ``[S]`` (optional, any float dtype)."""
+    s, hq, d = q.shape
+    n, hkv = keys.shape[0], keys.shape[1]
+    check_gqa(hq, hkv)
+    check_rows(q, keys, q_rows)
+    if q.dtype != keys.dtype:
+        raise ValueError(f"q {q.dtype} and keys {keys.dtype} must share a dtype")
+    out = torch.zeros(hkv, n, dtype=torch.float32, device=keys.device)
+    if s == 0 or n == 0:
+        return out
+    lo, hi = int(q_rows.min()), int(q_rows.max())
+    if lo < 0 or hi >= n:
+        raise ValueError(f"q_rows must lie in [0, N) = [0, {n}), got [{lo}, {hi}]")
+    if weights is not None and weights.shape != (s,):
+        raise ValueError(f"weights must have shape [S] = [{s}], got {tuple(weights.shape)}")
+    # Triton's CPU interpreter casts to bf16 by bits (wrong dots): bf16 runs IEEE fp32 dots there
+    ieee = q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16)
+    block_d = pow2(d, 16)
+    block_m = block_m or (32 if ieee else 64)
+    block_n = block_n or (32 if ieee else 64)
+    qk_scale = ((1.0 / d**0.5) if scale is None else float(scale)) * LOG2E
+    common = dict(GROUP=hq // hkv, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee,
+                  num_warps=4)
+    strides = (q.stride(0), q.stride(1), keys.stride(0), keys.stride(1))
+    rows = q_rows.contiguous()
+    lse = torch.empty(hq, s, dtype=torch.float32, device=q.device)
+    _kvzip_lse_kernel[(triton.cdiv(s, block_m), hq)](q, keys, rows, lse, qk_scale, s, n, *strides, **common)
+    w = weights.to(device=q.device, dtype=torch.float32).contiguous() if weights is not None else lse
+    _attn_sums_kernel[(triton.cdiv(n, block_n), hkv)](
+        q, keys, rows, lse, w, out, qk_scale, s, n, *strides, HAS_W=weights is not None, **common)
+    return out

@@ -1,0 +1,154 @@
+"""The accumulated-attention kernel (``sgl_kernel_sparse.triton_attn_sums``, H2O / SkipKV / R-KV
+prompt scoring) against the plain-torch reference (``eviction_scores.attention_sums``), and the
+dispatch ``core.slot_scores`` calls.
+
+CPU, default suite: the kernel under the Triton interpreter in one subprocess
+(``python test_attn_sums_kernel.py --interp``; see ``interpreter_cases``), each ``case_*``
+reported to its own pytest test: a prompt chunk whose queries are the last rows of the request
+(the causal triangle, key blocks that no query block of the chunk sees are skipped), GQA ratios
+1 to 4, a padded head dim, queries at scattered rows with weights (R-KV's buffer), fp32 / fp16 /
+bf16, non-contiguous q, one query over one key, and the wrapper's refusals.
+GPU (``-m gpu``, skipped without CUDA): the compiled kernel on an 8B-shape layer, a chunk of
+2,048 queries over 4,096 rows, and the speed of the reference and the kernel side by side.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "sgl-kernel-sparse" / "python") not in sys.path:  # the package from the checkout
+    sys.path.insert(0, str(ROOT / "sgl-kernel-sparse" / "python"))
+
+from sgl_kernel_sparse import dispatch, eviction_scores  # noqa: E402
+
+from interpreter_cases import interpreter_test, report, run_cases  # noqa: E402
+
+
+def chunk_inputs(n, t, hq, hkv, d, dtype, seed, strided_q=False):
+    """A request of ``n`` rows whose last ``t`` are this chunk's queries (rows ``[n - t, n)``).
+    Keys spread wide so the sums differ by orders of magnitude across rows."""
+    g = torch.Generator().manual_seed(seed)
+    keys = (torch.randn(n, hkv, d, generator=g) * 2).to(dtype)
+    q = torch.randn(t, hq, d, generator=g) * 2
+    if strided_q:  # a view into a wider buffer (as a fused qkv output is)
+        q = torch.cat([q, torch.zeros(t, hq, d)], dim=1)[:, :hq]
+    return q.to(dtype), keys, torch.arange(n - t, n)
+
+
+def close(got, want, dtype, what=""):
+    # fp16 / bf16: products exact in fp32, only summation order and exp2 vs exp differ
+    torch.testing.assert_close(got, want, rtol=2e-4 if dtype != torch.float32 else 1e-5, atol=1e-6,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def _case(T, dtype, n, t, hq, hkv, d, seed, strided_q=False, scale=None, **blocks):
+    q, keys, rows = chunk_inputs(n, t, hq, hkv, d, dtype, seed, strided_q)
+    want = eviction_scores.attention_sums(q, keys, rows, scale=scale)
+    got = T.attention_sums(q, keys, rows, scale=scale, **blocks)
+    assert got.shape == (hkv, n) and got.dtype == torch.float32
+    close(got, want, dtype, f"{dtype} n={n} t={t} {hq}/{hkv} d={d}")
+    # every query's softmax sums to 1: the column sums add up to (queries x group heads)
+    torch.testing.assert_close(got.sum(), torch.tensor(float(t * hq)), rtol=1e-4, atol=1e-3)
+
+
+def case_fp32_gqa2_chunk_triangle(T):
+    # 70 rows, the last 40 are the chunk: key blocks of 16 past row 30 are seen by part of it only
+    _case(T, torch.float32, 70, 40, 4, 2, 16, 1, block_m=16, block_n=16)
+
+
+def case_fp32_mha_d48_scale(T):
+    _case(T, torch.float32, 37, 37, 3, 3, 48, 2, scale=0.2, block_m=16, block_n=16)
+
+
+def case_fp16_gqa4_d64_strided_q(T):
+    _case(T, torch.float16, 90, 33, 8, 2, 64, 3, strided_q=True, block_m=16, block_n=32)
+
+
+def case_bf16_gqa3_default_blocks(T):
+    _case(T, torch.bfloat16, 130, 70, 6, 2, 32, 4)
+
+
+def case_one_query_one_key(T):
+    _case(T, torch.float32, 1, 1, 2, 1, 16, 5, block_m=16, block_n=16)
+
+
+def case_scattered_rows_with_weights(T):
+    """R-KV's buffer: the counted queries sit at non-contiguous rows, each with its own weight
+    (some zero), and rows repeat (two queries of one row, as two heads' buffers)."""
+    q, keys, _ = chunk_inputs(60, 9, 4, 2, 16, torch.float32, 6)
+    rows = torch.tensor([3, 17, 17, 20, 33, 41, 50, 50, 45])  # no query sees rows past 50
+    w = torch.tensor([0.5, 1.0, 0.0, 2.0, 1.0, 0.25, 1.0, 3.0, 1.0])
+    want = eviction_scores.attention_sums(q, keys, rows, weights=w)
+    got = T.attention_sums(q, keys, rows, weights=w, block_m=16, block_n=16)
+    close(got, want, torch.float32, "weighted")
+    assert float(got[:, 51:].abs().sum()) == 0.0 and bool((got[:, :51] > 0).all())
+
+
+def case_refusals(T):
+    q, keys, rows = chunk_inputs(10, 6, 4, 2, 16, torch.float32, 7)
+    for bad, why in [(dict(q_rows=rows + 5), "q_rows"), (dict(q_rows=rows - 10), "q_rows"),
+                     (dict(keys=keys.half()), "dtype"), (dict(q=q[:, :3]), "multiple"),
+                     (dict(weights=torch.ones(5)), "weights")]:
+        args = dict(q=q, keys=keys, q_rows=rows) | bad
+        try:
+            T.attention_sums(**args)
+        except ValueError as exc:
+            assert why in str(exc), str(exc)
+        else:
+            raise AssertionError(f"no refusal for {why}")
+    empty = T.attention_sums(q[:0], keys, rows[:0])
+    assert empty.shape == (2, 10) and float(empty.abs().sum()) == 0.0
+
+
+CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+
+def _run_cases_here() -> dict:
+    from sgl_kernel_sparse.triton_attn_sums import attention_sums
+
+    return run_cases(CASES, SimpleNamespace(attention_sums=attention_sums))
+
+
+test_triton_interpreter = interpreter_test(__file__, CASES)
+
+
+def test_dispatch_runs_the_reference_on_the_cpu():
+    """Off CUDA the dispatch is the reference (what the CPU server's H2O / SkipKV call)."""
+    q, keys, rows = chunk_inputs(50, 20, 4, 2, 16, torch.float32, 8)
+    torch.testing.assert_close(dispatch.attention_sums(q, keys, rows),
+                               eviction_scores.attention_sums(q, keys, rows, block=7))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_attention_sums(dtype):
+    """An 8B-shape layer (32 / 8 heads, d 128): a 2,048-query chunk over 4,096 rows, the
+    reference (fp32 on the GPU) and the kernel, each timed after a warm-up (printed, not
+    asserted)."""
+    q, keys, rows = chunk_inputs(4096, 2048, 32, 8, 128, dtype, 11)
+    q, keys, rows = q.cuda(), keys.cuda(), rows.cuda()
+    timings = {}
+    for name, fn in [("reference", lambda: eviction_scores.attention_sums(q, keys, rows)),
+                     ("triton", lambda: dispatch.attention_sums(q, keys, rows))]:
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            out = fn()
+        torch.cuda.synchronize()
+        timings[name] = (time.perf_counter() - t0) / 3 * 1e3
+        timings[name + "_out"] = out
+    print(f"attention_sums {dtype} 2048 x 4096, 32/8 heads: reference {timings['reference']:.2f} ms, "
+          f"triton {timings['triton']:.2f} ms")
+    close(timings["triton_out"].cpu(), timings["reference_out"].cpu(), dtype, f"{dtype}")
+
+
+if __name__ == "__main__" and "--interp" in sys.argv:
+    report(_run_cases_here())
