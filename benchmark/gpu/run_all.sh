@@ -47,6 +47,7 @@
 #   matched128k-quest   the same, dense and Quest(2048) in one call, both at 64 kv splits   ~9 min
 #   matched128k-compile-dense / -quest  the same with --enable-torch-compile, one server per call
 #   matched128k-compile-quest-b1  compiled Quest at batch 1 only (its 1/2/4 graph capture outran 420 s)
+#   matched128k-compile-quest-b4  compiled Quest at batch 4 only (one capture size), for issue 15's 2.5x (~7 min, est.)
 #   agent-replay-dense / -evict  issue 16's agent replay (8B shape, 32 sessions x 4 turns, 4K system,
 #                   2K tool outputs, 98,304-token pool): dense + radix over 8 / 16 splits in the
 #                   first call; SnapKV, H2O and R-KV (budget 2,048) + Chain Cache in the second
@@ -168,6 +169,12 @@ for stage in "$@"; do
         --batches 1 --pool 270336 --methods quest --tune quest --kv-splits 64 --start-timeout 470 \
         --out "$OUT/long_matched_128k_compile_quest_b1.json" -- --cuda-graph-bs-decode 1 \
         --enable-torch-compile --torch-compile-max-bs 1 2>&1 | tee "$OUT/$stage.txt" ;;
+    matched128k-compile-quest-b4)  # issue 15: compiled Quest at batch 4 alone (one capture size: ~180 s of
+      # autotuning, then four 128K prefills ~45 s each); compiled dense at batch 4: matched128k-compile-dense (136.0)
+      timeout 560 python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 131072 --output-len 64 \
+        --batches 4 --pool 540672 --methods quest --tune quest --kv-splits 64 --start-timeout 330 \
+        --out "$OUT/long_matched_128k_compile_quest_b4.json" -- --cuda-graph-bs-decode 4 \
+        --enable-torch-compile --torch-compile-max-bs 4 2>&1 | tee "$OUT/$stage.txt" ;;
     capacity-online|capacity-online-rest)  # issue 16's table: 49,152-token pool, 8,192-token prefill chunks
       # (all five did not fit one call, 2026-12-03: -rest runs the three the first call's 560 s cut)
       if [ "$stage" = capacity-online ]; then ms=(dense h2o skipkv snapkv rkv); else ms=(snapkv skipkv rkv); fi
