@@ -7,13 +7,17 @@ CPU, default suite: the kernel under the Triton interpreter in one subprocess
 reported to its own pytest test: a prompt chunk whose queries are the last rows of the request
 (the causal triangle, key blocks that no query block of the chunk sees are skipped), GQA ratios
 1 to 4, a padded head dim, queries at scattered rows with weights (R-KV's buffer), fp32 / fp16 /
-bf16, non-contiguous q, one query over one key, and the wrapper's refusals.
+bf16, non-contiguous q, one query over one key, and the wrapper's refusals. Also CPU: both passes
+compiled for sm_90 without a GPU (``bench/compile_report.py``'s compile, in a subprocess).
 GPU (``-m gpu``, skipped without CUDA): the compiled kernel on an 8B-shape layer, a chunk of
 2,048 queries over 4,096 rows, and the speed of the reference and the kernel side by side.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -126,6 +130,45 @@ def test_dispatch_runs_the_reference_on_the_cpu():
                                eviction_scores.attention_sums(q, keys, rows, block=7))
 
 
+def _compile_report(out: str) -> None:
+    """Subprocess side (``--compile-report OUT``): ``bench/compile_report.py``'s ahead-of-time
+    compile for sm_90 of both passes at the 8B shape (bf16 tensor-core dots; fp32 IEEE dots), with
+    and without weights; its report as JSON (exit 3: unsupported Triton)."""
+    sys.path.insert(0, str(ROOT / "sgl-kernel-sparse" / "bench"))
+    import compile_report as C
+    # imported before compile_all patches triton_common.interpreting (to accept CPU tensors): the
+    # wrapper keeps the real one, so bf16 compiles its tensor-core path, not the interpreter's
+    from sgl_kernel_sparse.triton_attn_sums import attention_sums
+
+    def exercise(dtypes):
+        for dt in dtypes:
+            q, keys, rows = chunk_inputs(4096, 2048, 32, 8, 128, dt, 0)
+            attention_sums(q, keys, rows)
+            attention_sums(q, keys, rows, weights=torch.ones(2048))
+
+    C.EXERCISE["attn_sums"] = exercise
+    Path(out).write_text(json.dumps(C.compile_all(90, ["bf16", "fp32"], ["attn_sums"])))
+
+
+def test_kernel_compiles_for_sm90_without_spills(tmp_path):
+    """What the interpreter cannot see: both passes compile for an H100 / H200 (sm_90), bf16
+    (tensor-core dots) and fp32 (IEEE dots), weighted or not; no register spills on the bf16 path,
+    none in the sum pass at all."""
+    out = tmp_path / "report.json"
+    res = subprocess.run([sys.executable, __file__, "--compile-report", str(out)], capture_output=True, text=True,
+                         timeout=300, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    if res.returncode == 3 or (res.returncode and "ImportError" in res.stderr):
+        pytest.skip(res.stderr.strip()[-300:])
+    assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
+    rows = json.loads(out.read_text())
+    sums = [r for r in rows if r["kernel"] == "_attn_sums_kernel"]
+    assert len(sums) == 4 and {r["kernel"] for r in rows} == {"_attn_sums_kernel", "_kvzip_lse_kernel"}, rows
+    served = [r for r in rows if not r["constexprs"]["IEEE"]]  # bf16: what a bf16 model's server runs
+    assert len(served) == 4 and all(r["spill_bytes"] == 0 for r in served), served
+    # fp32 (IEEE dots, tests and fp32 models only): KVzip's LSE pass spills ~720 bytes, this pass none
+    assert all(r["spill_bytes"] == 0 for r in sums), sums
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_attention_sums(dtype):
@@ -152,3 +195,5 @@ def test_gpu_attention_sums(dtype):
 
 if __name__ == "__main__" and "--interp" in sys.argv:
     report(_run_cases_here())
+elif __name__ == "__main__" and "--compile-report" in sys.argv:
+    _compile_report(sys.argv[sys.argv.index("--compile-report") + 1])
