@@ -25,6 +25,7 @@
 #   tests-compile-quest  Quest alone with --enable-torch-compile == eager (a 400 s start allowed)
 # Benchmarks:
 #   kernels   sgl-kernel-sparse microbenchmarks (bandwidth against the HBM ceiling)      ~2 min
+#   kernels-quest128k  Quest's served decode kernels at 128K (fold, paged scores, select_top, paged decode)
 #   capacity  8B shape, 32K in / 2K out: largest resident batch, dense vs SnapKV(2048)   ~7 min
 #   capacity393k  the same at a 393,216-token pool: SnapKV (batch 89), then dense over 16/32 splits ~9.5 min
 #   capacity-eviction  R-KV, SnapKV and dense (16 splits) at a 98,304-token pool               ~6 min
@@ -126,6 +127,9 @@ for stage in "$@"; do
         -k "torch_compile and quest" 2>&1 | tail -40 | tee "$OUT/gpu_$stage.txt" ;;
     kernels)
       python3 sgl-kernel-sparse/bench/bench_kernels.py --out "$OUT/kernels.json" --no-ref 2>&1 | tee "$OUT/kernels.txt" ;;
+    kernels-quest128k)  # issue 15: Quest's served decode kernels one by one at 128K, batch 1 / 4 (~1 min, est.)
+      timeout 200 python3 sgl-kernel-sparse/bench/bench_kernels.py --only quest128k \
+        --out "$OUT/kernels_quest128k.json" 2>&1 | tee "$OUT/$stage.txt" ;;
     capacity)
       python3 benchmark/bench_long_context.py capacity "${LONG[@]}" --prompt-len 32768 --output-len 2048 \
         --methods dense snapkv --out long_capacity_32k.json -- --cuda-graph-bs-decode 1 2 4 8 16 32 48 64 \

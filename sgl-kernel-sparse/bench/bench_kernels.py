@@ -34,7 +34,9 @@ SIZES = dict(ctx=32768, n_sel=2048, batches=(1, 8, 32), quick_batches=(8,), page
              omni_ctx=131072 + 2048, omni_batches=(1, 4), omni_sel=2048, omni_tail=64,
              # H2O / SkipKV prompt chunks at the capacity runs: 8,192 queries over the kept rows
              # (budget 2,048 + interval 32) and the chunk's own
-             sums_chunk=8192, sums_held=2080)
+             sums_chunk=8192, sums_held=2080,
+             # Quest's served decode step at the 128K matched runs (per-physical-page summaries)
+             q128_ctx=131072, q128_batches=(1, 4), q128_sel=2048)
 
 
 def parse_args():
@@ -49,7 +51,7 @@ def parse_args():
     ap.add_argument("--no-ref", action="store_true", help="do not time the torch references")
     ap.add_argument("--no-flush", action="store_true", help="keep L2 warm between calls")
     ap.add_argument("--only", nargs="*", default=None,
-                    help="case groups to run (decode quest snapkv compact kivi turboquant palu cells omnikv attn_sums; "
+                    help="case groups to run (decode quest snapkv compact kivi turboquant palu cells omnikv attn_sums quest128k; "
                          "default all)")
     return ap.parse_args()
 
@@ -375,6 +377,54 @@ def omnikv_cases(dtype, quick, T, R, g):
                    ref=None)
 
 
+def paged_table(b, ctx, page, g):
+    """A slot table whose pages are whole, aligned pool pages in random order (SGLang with
+    ``--page-size``): row-page p of request b is pool page ``perm[b * P + p]``."""
+    n_pages = ctx // page
+    perm = torch.randperm(b * n_pages, generator=g, device=DEVICE).view(b, n_pages, 1)
+    return (perm * page + torch.arange(page, device=DEVICE)).view(b, ctx).int()
+
+
+def quest128k_cases(dtype, quick, T, R, g):
+    """One sparse layer of Quest's served decode step at 128K, kernel by kernel, in the order the
+    server runs them (``kernels/quest_pages``): fold the new keys into their pages' summaries,
+    score every page from the per-physical-page summaries, pick the top pages per query head
+    (``select_top``), attend over them. Bytes: each page summary once per KV head (one tile
+    scores the group's query heads), each chosen KV row once per query head (each head reads its
+    own pages), the table entries, the scores written and read."""
+    ctx, page, n_sel = SIZES["q128_ctx"], SIZES["page"], SIZES["q128_sel"]
+    n_pages, k_pages = ctx // page, SIZES["q128_sel"] // page
+    for b in SIZES["q128_batches"][-1:] if quick else SIZES["q128_batches"]:
+        k, v = kv_pool(b * ctx, dtype, g)
+        kmin = torch.randn(b * n_pages, HKV, D, generator=g, device=DEVICE).to(dtype)
+        kmax = kmin + 1
+        r2t = paged_table(b, ctx, page, g)
+        req = torch.arange(b, device=DEVICE, dtype=torch.int32)
+        q = torch.randn(b, HQ, D, generator=g, device=DEVICE).to(dtype)
+        seq = torch.full((b,), ctx - 5, dtype=torch.int32, device=DEVICE)  # partial last page
+        have = torch.full((b,), n_pages, dtype=torch.int32, device=DEVICE)
+        new_k = torch.randn(b, HKV, D, generator=g, device=DEVICE).to(dtype)
+        new_slots = r2t[:, -5].contiguous()
+        yield dict(kernel="quest_fold_decode_keys", shape=f"B={b} page={page}", config="auto",
+                   bytes=nbytes(new_k) + 4 * b * HKV * D * kmin.element_size(),
+                   run=lambda a=(kmin, kmax, new_k, new_slots, page): T.quest_fold_decode_keys(*a), ref=None)
+        scores = T.quest_page_scores_paged(q, kmin, kmax, r2t, req, have, page)
+        yield dict(kernel="quest_page_scores_paged", shape=f"B={b} pages={n_pages}", config="auto",
+                   bytes=2 * b * n_pages * HKV * D * kmin.element_size() + b * n_pages * 4 + nbytes(q, scores),
+                   run=lambda a=(q, kmin, kmax, r2t, req, have, page): T.quest_page_scores_paged(*a),
+                   ref=lambda a=(q, kmin, kmax, r2t, req, have, page): R.quest_page_scores_paged(*a))
+        yield dict(kernel="select_top", shape=f"B={b} Hq={HQ} P={n_pages} k={k_pages}", config="auto",
+                   bytes=nbytes(scores) + b * HQ * k_pages * 8,
+                   run=lambda: T.select_top(scores, k_pages), ref=lambda: R.quest_select_pages(scores, k_pages))
+        page_ids = T.select_top(scores, k_pages)
+        splits = _decode_splits(T, b, n_sel, q, {})
+        yield dict(kernel="paged_sparse_decode_attention", shape=f"B={b} pages={k_pages}x{page} ctx={ctx}",
+                   config="auto", bytes=nbytes(q, page_ids, seq, q) + b * HQ * n_sel * 4
+                   + 2 * b * HQ * n_sel * D * k.element_size() + splits_bytes(b, splits),
+                   run=lambda a=(q, k, v, r2t, req, page_ids, seq, page): T.paged_sparse_decode_attention(*a),
+                   ref=None)
+
+
 def attn_sums_cases(dtype, quick, T, R, g):
     """Accumulated attention of a prompt chunk (``triton_attn_sums``, H2O / SkipKV / R-KV). It is
     compute-bound: ``flops`` counts both passes' ``QK^T`` over the whole chunk x rows rectangle
@@ -417,7 +467,8 @@ def main() -> int:
               "palu": lambda: palu_cases(dtype, args.quick, args.sweep, T, R, g),
               "cells": lambda: cells_cases(dtype, args.quick, T, R, g),
               "omnikv": lambda: omnikv_cases(dtype, args.quick, T, R, g),
-              "attn_sums": lambda: attn_sums_cases(dtype, args.quick, T, R, g)}
+              "attn_sums": lambda: attn_sums_cases(dtype, args.quick, T, R, g),
+              "quest128k": lambda: quest128k_cases(dtype, args.quick, T, R, g)}
     unknown = set(args.only or ()) - set(groups)
     if unknown:
         print(f"--only: unknown group(s) {sorted(unknown)}; allowed: {sorted(groups)}", file=sys.stderr)
