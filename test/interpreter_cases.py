@@ -78,3 +78,16 @@ def interpreter_test(test_file: str, cases: dict):
         assert status == "ok", msg
 
     return test_triton_interpreter
+
+
+def compile_report_rows(test_file: str, out: Path) -> list:
+    """Pytest side of a kernel file's sm_90 compile check: run ``test_file --compile-report OUT``
+    (the file's ``bench/compile_report.py`` compile, no GPU needed) and return its report rows;
+    skip where this Triton's internals differ from what the tool drives (exit 3)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # must compile, not interpret
+    res = subprocess.run([sys.executable, test_file, "--compile-report", str(out)], capture_output=True, text=True,
+                         timeout=300, env=env)
+    if res.returncode == 3 or (res.returncode and "ImportError" in res.stderr):
+        pytest.skip(res.stderr.strip()[-300:])
+    assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
+    return json.loads(Path(out).read_text())

@@ -16,8 +16,6 @@ GPU (``-m gpu``, skipped without CUDA): the compiled kernel on an 8B-shape layer
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +30,7 @@ if str(ROOT / "sgl-kernel-sparse" / "python") not in sys.path:  # the package fr
 
 from sgl_kernel_sparse import dispatch, eviction_scores  # noqa: E402
 
-from interpreter_cases import interpreter_test, report, run_cases  # noqa: E402
+from interpreter_cases import compile_report_rows, interpreter_test, report, run_cases  # noqa: E402
 
 
 def chunk_inputs(n, t, hq, hkv, d, dtype, seed, strided_q=False):
@@ -154,13 +152,7 @@ def test_kernel_compiles_for_sm90_without_spills(tmp_path):
     """What the interpreter cannot see: both passes compile for an H100 / H200 (sm_90), bf16
     (tensor-core dots) and fp32 (IEEE dots), weighted or not; no register spills on the bf16 path,
     none in the sum pass at all."""
-    out = tmp_path / "report.json"
-    res = subprocess.run([sys.executable, __file__, "--compile-report", str(out)], capture_output=True, text=True,
-                         timeout=300, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
-    if res.returncode == 3 or (res.returncode and "ImportError" in res.stderr):
-        pytest.skip(res.stderr.strip()[-300:])
-    assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
-    rows = json.loads(out.read_text())
+    rows = compile_report_rows(__file__, tmp_path / "report.json")
     sums = [r for r in rows if r["kernel"] == "_attn_sums_kernel"]
     assert len(sums) == 4 and {r["kernel"] for r in rows} == {"_attn_sums_kernel", "_kvzip_lse_kernel"}, rows
     served = [r for r in rows if not r["constexprs"]["IEEE"]]  # bf16: what a bf16 model's server runs

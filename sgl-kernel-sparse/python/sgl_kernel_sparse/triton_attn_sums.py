@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import check_gqa, check_rows, interpreting, pow2
-from .triton_kvzip import LOG2E, _kvzip_lse_kernel, _keys_t, _logits
+from .triton_common import check_gqa, check_rows
+from .triton_kvzip import _keys_t, _logits, row_lse, two_pass_tiling
 
 
 @triton.jit
@@ -78,19 +78,9 @@ def attention_sums(q, keys, q_rows, scale=None, weights=None, block_m=None, bloc
         raise ValueError(f"q_rows must lie in [0, N) = [0, {n}), got [{lo}, {hi}]")
     if weights is not None and weights.shape != (s,):
         raise ValueError(f"weights must have shape [S] = [{s}], got {tuple(weights.shape)}")
-    # Triton's CPU interpreter casts to bf16 by bits (wrong dots): bf16 runs IEEE fp32 dots there
-    ieee = q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16)
-    block_d = pow2(d, 16)
-    block_m = block_m or (32 if ieee else 64)
-    block_n = block_n or (32 if ieee else 64)
-    qk_scale = ((1.0 / d**0.5) if scale is None else float(scale)) * LOG2E
-    common = dict(GROUP=hq // hkv, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee,
-                  num_warps=4)
-    strides = (q.stride(0), q.stride(1), keys.stride(0), keys.stride(1))
-    rows = q_rows.contiguous()
-    lse = torch.empty(hq, s, dtype=torch.float32, device=q.device)
-    _kvzip_lse_kernel[(triton.cdiv(s, block_m), hq)](q, keys, rows, lse, qk_scale, s, n, *strides, **common)
+    qk_scale, common, strides = two_pass_tiling(q, keys, scale, block_m, block_n)
+    lse = row_lse(q, keys, q_rows, qk_scale, common, strides)
     w = weights.to(device=q.device, dtype=torch.float32).contiguous() if weights is not None else lse
-    _attn_sums_kernel[(triton.cdiv(n, block_n), hkv)](
-        q, keys, rows, lse, w, out, qk_scale, s, n, *strides, HAS_W=weights is not None, **common)
+    _attn_sums_kernel[(triton.cdiv(n, common["BLOCK_N"]), hkv)](
+        q, keys, q_rows.contiguous(), lse, w, out, qk_scale, s, n, *strides, HAS_W=weights is not None, **common)
     return out

@@ -117,19 +117,30 @@ def kvzip_probe_scores(q_probe, keys, q_positions, context_len, scale=None, bloc
     if lo < context_len or hi >= n:
         raise ValueError(f"probe positions must lie in [context_len, N) = [{context_len}, {n}), "
                          f"got [{lo}, {hi}]")
-    # Triton's CPU interpreter casts to bf16 by bits (wrong dots): bf16 runs IEEE fp32 dots there
-    ieee = q_probe.dtype == torch.float32 or (interpreting() and q_probe.dtype == torch.bfloat16)
-    block_d = pow2(d, 16)
-    block_m = block_m or (32 if ieee else 64)
-    block_n = block_n or (32 if ieee else 64)
-    qk_scale = ((1.0 / d**0.5) if scale is None else float(scale)) * LOG2E
-    common = dict(GROUP=hq // hkv, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee,
-                  num_warps=4)
-    strides = (q_probe.stride(0), q_probe.stride(1), keys.stride(0), keys.stride(1))
-    lse = torch.empty(hq, s, dtype=torch.float32, device=q_probe.device)
-    _kvzip_lse_kernel[(triton.cdiv(s, block_m), hq)](
-        q_probe, keys, q_positions.contiguous(), lse, qk_scale, s, n, *strides, **common)
+    qk_scale, common, strides = two_pass_tiling(q_probe, keys, scale, block_m, block_n)
+    lse = row_lse(q_probe, keys, q_positions, qk_scale, common, strides)
     out = torch.empty(hkv, context_len, dtype=torch.float32, device=q_probe.device)
-    _kvzip_max_kernel[(triton.cdiv(context_len, block_n), hkv)](
+    _kvzip_max_kernel[(triton.cdiv(context_len, common["BLOCK_N"]), hkv)](
         q_probe, keys, lse, out, qk_scale, s, context_len, *strides, **common)
     return out
+
+
+def two_pass_tiling(q, keys, scale, block_m, block_n):
+    """Launch settings shared by the LSE pass and a second pass over key blocks (this file's max,
+    ``triton_attn_sums``' sum): ``(qk_scale, constexprs + num_warps, (q and key strides))``."""
+    d, hq, hkv = q.shape[2], q.shape[1], keys.shape[1]
+    # Triton's CPU interpreter casts to bf16 by bits (wrong dots): bf16 runs IEEE fp32 dots there
+    ieee = q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16)
+    qk_scale = ((1.0 / d**0.5) if scale is None else float(scale)) * LOG2E
+    common = dict(GROUP=hq // hkv, D=d, BLOCK_D=pow2(d, 16), BLOCK_M=block_m or (32 if ieee else 64),
+                  BLOCK_N=block_n or (32 if ieee else 64), IEEE=ieee, num_warps=4)
+    return qk_scale, common, (q.stride(0), q.stride(1), keys.stride(0), keys.stride(1))
+
+
+def row_lse(q, keys, positions, qk_scale, common, strides):
+    """Pass 1: fp32 ``[Hq, S]``, each query row's base-2 log-sum-exp over keys ``<= positions``."""
+    s, hq = q.shape[0], q.shape[1]
+    lse = torch.empty(hq, s, dtype=torch.float32, device=q.device)
+    _kvzip_lse_kernel[(triton.cdiv(s, common["BLOCK_M"]), hq)](
+        q, keys, positions.contiguous(), lse, qk_scale, s, keys.shape[0], *strides, **common)
+    return lse
