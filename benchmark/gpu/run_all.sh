@@ -25,7 +25,8 @@
 #   tests-compile-quest  Quest alone with --enable-torch-compile == eager (a 400 s start allowed)
 # Benchmarks:
 #   kernels   sgl-kernel-sparse microbenchmarks (bandwidth against the HBM ceiling)      ~2 min
-#   kernels-quest128k  Quest's served decode kernels at 128K (fold, paged scores, select_top, paged decode)
+#   kernels-quest128k  Quest's served decode kernels at 128K (fold, paged scores, select_top, paged decode),
+#                   and the attention-sums kernel at an H2O prompt chunk (~1.5 min, est.)
 #   capacity  8B shape, 32K in / 2K out: largest resident batch, dense vs SnapKV(2048)   ~7 min
 #   capacity393k  the same at a 393,216-token pool: SnapKV (batch 89), then dense over 16/32 splits ~9.5 min
 #   capacity-eviction  R-KV, SnapKV and dense (16 splits) at a 98,304-token pool               ~6 min
@@ -38,8 +39,8 @@
 #                   splits, then tests-retroinfer; merge: bench_agent_replay.py --merge (~9 min each, est.)
 #   capacity-payload-equal  issue 17 after the pool-split fix (7a3313b): Palu 0.5 / 0.75, TurboQuant 3-bit and
 #                   dense (16 / 64 splits) with the same KV bytes (check kv_bytes_total), 196,608 pool (~9 min, est.)
-#   capacity-online-all  issue 16: the attention-sums kernel's GPU test and timing, then capacity-online's five
-#                   methods in one run (H2O, SkipKV, R-KV, SnapKV, dense 16 / 64 splits), 49,152 pool (~9 min, est.)
+#   capacity-online-all  issue 16: the attention-sums kernel's GPU test, then capacity-online's five methods in
+#                   one run (dense 16 / 64 splits, H2O, SkipKV, SnapKV, then R-KV), 49,152 pool (~9.5 min, est.)
 #   agent-replay-more  issue 16: the 4-turn replay for SkipKV and KVzip + chain, dense + radix (16 / 32 splits)
 #                   in the same call (~7 min, est.)
 #   matched   8B shape, 32K: plain SGLang vs dense vs Quest(2048) at batch 1 2 4 8       ~8 min
@@ -128,7 +129,7 @@ for stage in "$@"; do
     kernels)
       python3 sgl-kernel-sparse/bench/bench_kernels.py --out "$OUT/kernels.json" --no-ref 2>&1 | tee "$OUT/kernels.txt" ;;
     kernels-quest128k)  # issue 15: Quest's served decode kernels one by one at 128K, batch 1 / 4 (~1 min, est.)
-      timeout 200 python3 sgl-kernel-sparse/bench/bench_kernels.py --only quest128k \
+      timeout 200 python3 sgl-kernel-sparse/bench/bench_kernels.py --only quest128k attn_sums \
         --out "$OUT/kernels_quest128k.json" 2>&1 | tee "$OUT/$stage.txt" ;;
     capacity)
       python3 benchmark/bench_long_context.py capacity "${LONG[@]}" --prompt-len 32768 --output-len 2048 \
@@ -217,16 +218,15 @@ for stage in "$@"; do
         --prompt-len 32768 --output-len 2048 --methods turboquant palu palu-0.75 dense --tune dense \
         --kv-splits 16 64 --timeout 240 --out "$OUT/long_capacity_32k_payload_equal.json" \
         -- --cuda-graph-bs-decode 1 2 4 8 16 21 24 32 2>&1 | tee "$OUT/$stage.txt" ;;
-    capacity-online-all)  # issue 16's table in one run: the five of capacity-online at its settings, now that
-      # H2O's and SkipKV's prompt chunks are scored by triton_attn_sums (plain torch took ~9 / ~18 s per
-      # 32K prompt, so the five did not fit one call, 2026-12-03). The kernel's GPU test and timing first
-      GPU_TEST_TIMEOUT=70 gpu_tests attn-sums-kernel -s test/test_attn_sums_kernel.py
-      timeout 60 python3 sgl-kernel-sparse/bench/bench_kernels.py --only attn_sums --iters 10 \
-        --out "$OUT/kernels_attn_sums.json" 2>&1 | tee "$OUT/kernels_attn_sums.txt"
-      timeout $((570 - SECONDS + start)) python3 benchmark/bench_long_context.py capacity --model-path "$M8" \
-        --pool 49152 --prompt-len 32768 --output-len 2048 --methods dense h2o skipkv rkv snapkv --tune dense \
+    capacity-online-all)  # issue 16's table in one run: capacity-online's settings, now that H2O's and
+      # SkipKV's prompt chunks are scored by triton_attn_sums (plain torch took ~9 / ~18 s per 32K prompt,
+      # so the five did not fit one call, 2026-12-03). Estimate: kernel test ~40 s, dense x 2 ~150 s, H2O and
+      # SkipKV (19 resident each, ~3.5 s per prefill) ~130 s each, SnapKV ~80 s; R-KV last, cut if out of time
+      GPU_TEST_TIMEOUT=60 gpu_tests attn-sums-kernel -s test/test_attn_sums_kernel.py
+      timeout $((575 - SECONDS + start)) python3 benchmark/bench_long_context.py capacity --model-path "$M8" \
+        --pool 49152 --prompt-len 32768 --output-len 2048 --methods dense h2o skipkv snapkv rkv --tune dense \
         --kv-splits 16 64 --timeout 200 --out "$OUT/long_capacity_32k_online_all.json" \
-        -- --chunked-prefill-size 8192 --cuda-graph-bs-decode 1 2 4 8 16 24 2>&1 | tee "$OUT/$stage.txt" ;;
+        -- --chunked-prefill-size 8192 --cuda-graph-bs-decode 1 2 4 8 16 19 24 2>&1 | tee "$OUT/$stage.txt" ;;
     agent-replay-more)  # issue 16: the methods the 4-turn H200 replay lacked, with dense in the same call
       timeout 560 python3 benchmark/bench_agent_replay.py --gpu --model-path "$M8" \
         --variants skipkv+chain kvzip+chain dense+radix --kv-splits 16 32 --sessions 32 --turns 4 --system 4096 \
