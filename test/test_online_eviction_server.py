@@ -86,6 +86,9 @@ def test_every_eviction_frees_exactly_the_rows_over_the_budget(server):
     assert during_prompt == (3 if server.method == "h2o" else 1)
     assert delta(after, before, "compactions") == delta(after, before, "evictions") == during_prompt + decode_evictions
     assert delta(after, before, "slots_released") == delta(after, before, "rows_released") == released
+    # what the compactions cost is reported (host wall time), apart from the event counters
+    assert after["timings_us"]["compaction"] > before["timings_us"].get("compaction", 0)
+    assert "compaction" not in after["counters"]
     kept = BUDGET + (new - 1) % INTERVAL  # rows the chain parks
     rec = chain(server, o["meta_info"]["chain_id"])
     assert (rec["processed_tokens"], rec["retained_rows"]) == (prompt + new - 1, kept)

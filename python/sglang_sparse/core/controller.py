@@ -155,4 +155,5 @@ class SparseController:
             **self.cache.totals(),
             "counters": {**self.cache.counters, **self.runtime.counters,
                          **(self.prefill.counters if self.prefill is not None else {})},
+            "timings_us": dict(self.runtime.timings_us),
         }

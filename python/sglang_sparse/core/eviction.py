@@ -11,6 +11,8 @@ or None when nothing is to be dropped.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from sglang_sparse.core.runtime import SparseMethodRuntime
@@ -51,6 +53,13 @@ class EvictingRuntime(SparseMethodRuntime):
         return rid in self.pending
 
     def apply_pending(self, only: set[str] | None = None) -> int:
+        """Compact the pending requests (those in ``only``; None: all). What it costs goes to
+        ``timings_us["compaction"]``: host wall time of the plans and moves, waited out on a GPU
+        (one ``synchronize`` per safe point that compacted), so ``/sparse/stats`` says what
+        eviction costs a decode step (``timings_us.compaction / steps``)."""
+        if not self.pending:
+            return 0
+        t0 = time.perf_counter()
         freed, waiting = 0, []
         for rid in self.pending:
             if rid not in self.cache.requests:  # gone: finished before its safe point
@@ -62,4 +71,9 @@ class EvictingRuntime(SparseMethodRuntime):
                 if keep is not None:
                     freed += self.cache.compact(rid, keep)  # counted in cache.counters
         self.pending = waiting
+        if freed:
+            device = self.cache.store.k_buffer(0).device
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.add_time("compaction", time.perf_counter() - t0)
         return freed

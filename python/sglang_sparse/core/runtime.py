@@ -157,7 +157,8 @@ class SparseMethodRuntime:
     def __init__(self, cache: CacheManager, oracle: MemoryOracle | None = None) -> None:
         self.cache = cache
         self.oracle = oracle or MemoryOracle()
-        self.counters: dict[str, int] = {}
+        self.counters: dict[str, int] = {}  # events: the same on every tensor-parallel rank
+        self.timings_us: dict[str, int] = {}  # host wall time of the method's own work (not events)
 
     def use_vocabulary(self, texts: list[str]) -> None:
         """``reads_tokens`` methods, once before the first step: ``texts[i]`` is the decoded text
@@ -202,6 +203,10 @@ class SparseMethodRuntime:
 
     def bump(self, counter: str, n: int = 1) -> None:
         self.counters[counter] = self.counters.get(counter, 0) + n
+
+    def add_time(self, what: str, seconds: float) -> None:
+        """``/sparse/stats``' ``timings_us``: microseconds spent in ``what``, summed."""
+        self.timings_us[what] = self.timings_us.get(what, 0) + int(seconds * 1e6)
 
     # -- request lifecycle -------------------------------------------------------------------
     def on_request_start(self, rid: str) -> None:

@@ -80,6 +80,7 @@ def scheduler_stats(scheduler) -> dict | None:
         "peak_running_requests": stats["peak_running_requests"],  # high-water mark since start
         "steps": stats["steps"],
         "counters": {**stats["counters"], "integrity_violations": st.integrity_violations},
+        "timings_us": stats["timings_us"],  # the method's own host wall time (docs/operations.md)
         "radix": _radix_stats(scheduler.tree_cache),
         "integrity": integrity.check_integrity(scheduler),  # every KV slot has exactly one owner
         **_chain_stats(st.chains),
