@@ -437,6 +437,16 @@ def pick_best(runs: dict) -> dict:
     return out
 
 
+def server_extra(args, splits: int | None, batches: list[int]) -> list[str]:
+    """SGLang flags of one server: those after ``--``, the split count of a sweep, and with
+    ``--graphs-own-batch`` (capacity) decode graphs for its own batch only (the last occurrence of
+    a flag wins, so this replaces a list given after ``--``)."""
+    extra = args.extra + ([] if splits is None else ["--triton-attention-num-kv-splits", str(splits)])
+    if args.graphs_own_batch and args.experiment == "capacity":
+        extra += ["--cuda-graph-bs-decode", str(batches[0])]
+    return extra
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("experiment", choices=["capacity", "matched"])
@@ -454,6 +464,10 @@ def main() -> None:
     ap.add_argument("--start-timeout", type=float, default=300,
                     help="seconds a server may take to start (torch.compile at 128K: more)")
     ap.add_argument("--cpu", action="store_true", help="smoke run on a CPU with real weights (no GPU flags)")
+    ap.add_argument("--graphs-own-batch", action="store_true",
+                    help="capacity: each server captures decode CUDA graphs for its own resident batch only "
+                         "(--cuda-graph-bs-decode B, after the flags given after --): smaller batches pad up to it, "
+                         "and a server starts without capturing sizes it never runs")
     ap.add_argument("--tune", nargs="*", default=["plain", "dense"],
                     help="variants swept over --kv-splits (best kept per batch)")
     ap.add_argument("--kv-splits", type=int, nargs="*", default=[],
@@ -479,7 +493,7 @@ def main() -> None:
         sweep = args.kv_splits if name in args.tune and args.kv_splits else [None]
         runs = {}
         for splits in sweep:  # results after every server: a run stopped early keeps them
-            extra = args.extra + ([] if splits is None else ["--triton-attention-num-kv-splits", str(splits)])
+            extra = server_extra(args, splits, batches)
             runs[splits] = run_variant(name, args, extra, batches, prompts, save, splits)
             results[name] = runs[None] if splits is None else pick_best(runs)
             save()

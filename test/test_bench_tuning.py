@@ -52,6 +52,25 @@ def test_h2o_capacity_counts_eviction_between_chunks_as_the_oracle_admits():
     assert B.capacity_batch("rkv", _Args(["--chunked-prefill-size", "8192"])) == 8  # holds its prompt whole
 
 
+def test_graphs_own_batch_captures_only_the_servers_batch():
+    """--graphs-own-batch: a capacity server captures decode graphs for its own batch, after (so
+    instead of) the list given after ``--``; without it, or for matched runs, the flags pass as given."""
+    args = _Args(["--chunked-prefill-size", "8192", "--cuda-graph-bs-decode", "1", "2", "4"])
+    args.experiment, args.graphs_own_batch = "capacity", True
+    got = B.server_extra(args, 64, [19])
+    assert got[:6] == args.extra and got[6:] == ["--triton-attention-num-kv-splits", "64", "--cuda-graph-bs-decode", "19"]
+    from sglang.srt.server_args import ServerArgs
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    assert parser.parse_args(["--model-path", "m", *got]).cuda_graph_bs_decode == [19]  # the last one wins
+    args.graphs_own_batch = False
+    assert B.server_extra(args, None, [19]) == args.extra
+    args.experiment, args.graphs_own_batch = "matched", True
+    assert B.server_extra(args, None, [1, 2]) == args.extra
+
+
 def test_every_agent_replay_variant_is_a_valid_server_configuration():
     import bench_agent_replay as R
     from sglang_sparse.srt.launcher import sparse_config

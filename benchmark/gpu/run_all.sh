@@ -216,17 +216,18 @@ for stage in "$@"; do
       # pool (710K tokens), not of --max-total-tokens: kv_bytes_total 104 GB against dense's 29 GB
       timeout 560 python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 196608 \
         --prompt-len 32768 --output-len 2048 --methods turboquant palu palu-0.75 dense --tune dense \
-        --kv-splits 16 64 --timeout 240 --out "$OUT/long_capacity_32k_payload_equal.json" \
-        -- --cuda-graph-bs-decode 1 2 4 8 16 21 24 32 2>&1 | tee "$OUT/$stage.txt" ;;
+        --kv-splits 16 64 --timeout 240 --graphs-own-batch --out "$OUT/long_capacity_32k_payload_equal.json" \
+        2>&1 | tee "$OUT/$stage.txt" ;;
     capacity-online-all)  # issue 16's table in one run: capacity-online's settings, now that H2O's and
       # SkipKV's prompt chunks are scored by triton_attn_sums (plain torch took ~9 / ~18 s per 32K prompt,
       # so the five did not fit one call, 2026-12-03). Estimate: kernel test ~40 s, dense x 2 ~150 s, H2O and
-      # SkipKV (19 resident each, ~3.5 s per prefill) ~130 s each, SnapKV ~80 s; R-KV last, cut if out of time
+      # SkipKV (19 resident each, ~3.5 s per prefill) ~130 s each, SnapKV ~80 s; R-KV last, cut if out of time.
+      # Servers start in 50-90 s: each captures decode graphs for its own batch only (--graphs-own-batch)
       GPU_TEST_TIMEOUT=60 gpu_tests attn-sums-kernel -s test/test_attn_sums_kernel.py
       timeout $((575 - SECONDS + start)) python3 benchmark/bench_long_context.py capacity --model-path "$M8" \
         --pool 49152 --prompt-len 32768 --output-len 2048 --methods dense h2o skipkv snapkv rkv --tune dense \
-        --kv-splits 16 64 --timeout 200 --out "$OUT/long_capacity_32k_online_all.json" \
-        -- --chunked-prefill-size 8192 --cuda-graph-bs-decode 1 2 4 8 16 19 24 2>&1 | tee "$OUT/$stage.txt" ;;
+        --kv-splits 16 64 --timeout 200 --graphs-own-batch --out "$OUT/long_capacity_32k_online_all.json" \
+        -- --chunked-prefill-size 8192 2>&1 | tee "$OUT/$stage.txt" ;;
     agent-replay-more)  # issue 16: the methods the 4-turn H200 replay lacked, with dense in the same call
       timeout 560 python3 benchmark/bench_agent_replay.py --gpu --model-path "$M8" \
         --variants skipkv+chain kvzip+chain dense+radix --kv-splits 16 32 --sessions 32 --turns 4 --system 4096 \
