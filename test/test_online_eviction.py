@@ -230,6 +230,17 @@ def test_rkv_keeps_its_buffer_and_ties_go_to_the_older_row():
     assert ref.rkv_select(imp, keys, 9, 2, 0.5, 1).tolist() == [[0, 2, 3, 4, 5, 6, 7, 8, 9]]
 
 
+def test_rkv_redundancy_equals_the_similarity_matrix_form():
+    """The linear form (sum of unit keys) against the definition: the ``[n, n]`` cosine matrix,
+    diagonal zeroed, mean over each row, softmax over the rows; a zero key included."""
+    keys = torch.randn(3, 200, 16, generator=torch.Generator().manual_seed(4))
+    keys[1, 7] = 0.0
+    u = keys / (keys.norm(dim=-1, keepdim=True) + 1e-8)
+    sim = u @ u.transpose(-1, -2)
+    sim.diagonal(dim1=-2, dim2=-1).zero_()
+    torch.testing.assert_close(ref.rkv_redundancy(keys), sim.mean(dim=-1).softmax(dim=-1), rtol=1e-5, atol=1e-7)
+
+
 def test_gqa_scores_sum_the_groups_query_heads():
     q, k, _ = qkv(12, seed=9)
     rows = torch.arange(12)

@@ -7,7 +7,9 @@ At each eviction, per layer and KV head, over the request's n retained rows:
   before the eviction) paid each row, averaged over the query heads of the KV head's GQA group,
   then max-pooled over neighbouring rows (odd ``kernel``, stride 1);
 - redundancy: each key's cosine similarity to every other retained key of its head (self 0),
-  averaged over the n rows, softmax over the rows (``eviction_scores.rkv_redundancy``);
+  averaged over the n rows, softmax over the rows (``eviction_scores.rkv_redundancy``: in O(n d)
+  per head from the sum of the unit keys, no ``[n, n]`` fp32 matrix, 4 GB per KV head and layer
+  after a 32K prompt; with it, R-KV's 32K prefill took 5.2 s on the H200 against dense's 3.4 s);
 - score = ``alpha * importance - (1 - alpha) * redundancy``; the buffer's own rows
   ``[n - window, n)`` are always kept, of the rest the top ``budget - window`` (ties to the lower
   row). ``sgl_kernel_sparse.eviction_scores.rkv_select`` is the formula.

@@ -53,12 +53,18 @@ def h2o_select(scores, budget, recent):
 def rkv_redundancy(keys):
     """R-KV's redundancy per row, ``keys [Hkv, n, D]`` -> ``[Hkv, n]``: the cosine similarity of
     each key to every other key of its head (self-similarity 0), averaged over the n rows, then a
-    softmax over the rows (so it sums to 1 per head, on the scale of the importance)."""
+    softmax over the rows (so it sums to 1 per head, on the scale of the importance).
+
+    By linearity the row mean needs no ``[n, n]`` similarity matrix: with unit keys ``u_j``,
+    ``mean_j u_i . u_j (j != i) = (u_i . sum_j u_j - u_i . u_i) / n``, O(n d) per head instead of
+    O(n^2 d) (a 32K prompt's matrix is 4 GB per KV head in fp32; test_online_eviction checks it
+    against the matrix form)."""
+    n = keys.shape[-2]
     k = keys.float()
     k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
-    sim = k @ k.transpose(-1, -2)  # [Hkv, n, n]
-    sim.diagonal(dim1=-2, dim2=-1).zero_()
-    return sim.mean(dim=-1).softmax(dim=-1)
+    total = k.sum(dim=-2, keepdim=True)  # [Hkv, 1, D]: the sum of every row's unit key
+    mean = ((k * total).sum(dim=-1) - (k * k).sum(dim=-1)) / n  # self-similarity left out
+    return mean.softmax(dim=-1)
 
 
 def rkv_select(importance, keys, budget, window, alpha, kernel):
