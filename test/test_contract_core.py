@@ -177,3 +177,38 @@ def test_snapkv_resumes_a_chain_and_recompacts_over_logical_positions():
         held = torch.cat([pos, torch.arange(100, 130).expand(HKV, 30)], dim=1)
         assert torch.equal(ret.positions[layer], held.gather(1, picked))
         assert not torch.equal(ret.positions[layer], picked)  # rows are not logical positions here
+
+
+def test_compact_rows_equals_compact_by_positions_and_refuses_rows_it_does_not_hold():
+    """``CacheManager.compact_rows`` (a plan in rows, H2O / R-KV) moves the same KV, keeps the
+    same map and frees the same slots as ``compact`` given the rows' logical positions, also on a
+    per-head map left by an earlier compaction."""
+    def make():
+        store = TensorKVStore(LAYERS, 64, HKV, D)
+        cache = CacheManager(store, HKV)
+        store.alloc_rows(0, 20)
+        cache.start("r", 0, 20)
+        cache.on_written("r", 20)
+        g = torch.Generator().manual_seed(3)
+        for layer in range(LAYERS):
+            slots = store.row_slots(0, 0, 20)
+            store.write(layer, slots, torch.randn(20, HKV, D, generator=g), torch.randn(20, HKV, D, generator=g))
+        first = torch.rand(LAYERS, HKV, 20, generator=g).argsort(-1)[..., :12].sort(-1).values
+        cache.compact_rows("r", first)  # a per-head map: row i holds a different position per head
+        store.alloc_rows(0, 3)
+        cache.on_written("r", 3)
+        return store, cache
+
+    rows = torch.rand(LAYERS, HKV, 15, generator=torch.Generator().manual_seed(4)).argsort(-1)[..., :9].sort(-1).values
+    a_store, a = make()
+    b_store, b = make()
+    positions = a.retained("r").all_positions().gather(2, rows)
+    freed_a = a.compact("r", positions)
+    freed_b = b.compact_rows("r", rows)
+    assert freed_a == freed_b == 15 - 9 and a_store.free_count() == b_store.free_count()
+    assert torch.equal(a.retained("r").all_positions(), b.retained("r").all_positions())
+    assert torch.equal(a.retained("r").all_positions(), positions)
+    for layer in range(LAYERS):
+        assert torch.equal(a.keys("r", layer), b.keys("r", layer)) and torch.equal(a.values("r", layer), b.values("r", layer))
+    with pytest.raises(IndexError, match="kept rows must lie in"):
+        b.compact_rows("r", torch.full((LAYERS, HKV, 3), 9))

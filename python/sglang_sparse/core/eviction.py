@@ -5,17 +5,26 @@ rows while a forward may still read them; ``EvictingRuntime`` keeps the list of 
 planned compaction and applies them in ``apply_pending`` (see ``runtime`` for the firing order).
 A subclass implements ``plan(rid)``: the logical positions to keep, ``[B]`` (the same tokens in
 every layer and head: rows are re-pointed, no KV moves), ``[layers, kv_heads, B]``
-(one budget for every layer) or a list of ``[kv_heads, B_l]`` per layer (per-layer budgets),
-or None when nothing is to be dropped.
+(one budget for every layer) or a list of ``[kv_heads, B_l]`` per layer (per-layer budgets);
+or ``KeptRows``: the kept *row* indices ``[layers, kv_heads, B]`` (a method that selects among
+its rows: no position -> row search); or None when nothing is to be dropped.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from sglang_sparse.core.runtime import SparseMethodRuntime
+
+
+@dataclass(frozen=True)
+class KeptRows:
+    """A plan in rows: ``rows [layers, kv_heads, B]``, ascending per head, on any device."""
+
+    rows: torch.Tensor
 
 
 class EvictingRuntime(SparseMethodRuntime):
@@ -46,7 +55,7 @@ class EvictingRuntime(SparseMethodRuntime):
             if over > 0 and (r.is_last_prompt_chunk or over >= slack):
                 self.schedule(r.rid)
 
-    def plan(self, rid: str) -> torch.Tensor | list[torch.Tensor] | None:
+    def plan(self, rid: str) -> torch.Tensor | list[torch.Tensor] | KeptRows | None:
         raise NotImplementedError
 
     def has_pending(self, rid: str) -> bool:
@@ -68,8 +77,10 @@ class EvictingRuntime(SparseMethodRuntime):
                 waiting.append(rid)
             else:
                 keep = self.plan(rid)
-                if keep is not None:
-                    freed += self.cache.compact(rid, keep)  # counted in cache.counters
+                if isinstance(keep, KeptRows):
+                    freed += self.cache.compact_rows(rid, keep.rows)  # counted in cache.counters
+                elif keep is not None:
+                    freed += self.cache.compact(rid, keep)
         self.pending = waiting
         if freed:
             device = self.cache.store.k_buffer(0).device

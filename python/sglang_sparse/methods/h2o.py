@@ -66,7 +66,7 @@ from dataclasses import dataclass
 import torch
 from sgl_kernel_sparse.eviction_scores import h2o_select
 
-from sglang_sparse.core.eviction import EvictingRuntime
+from sglang_sparse.core.eviction import EvictingRuntime, KeptRows
 from sglang_sparse.core.events import StepInfo
 from sglang_sparse.core.memory_oracle import MemoryOracle
 from sglang_sparse.core.slot_scores import AccumulatedAttentionHooks, SlotScores
@@ -104,7 +104,7 @@ class H2ORuntime(AccumulatedAttentionHooks, EvictingRuntime):
     def finish_step(self, step: StepInfo) -> None:
         self.schedule_over_budget(step, self.config.budget, self.config.interval, during_prefill=self.evict_prefill)
 
-    def plan(self, rid: str) -> torch.Tensor | None:
+    def plan(self, rid: str) -> KeptRows | None:
         ret = self.cache.requests[rid].retained
         if ret.n_rows <= self.config.budget:
             return None
@@ -114,4 +114,4 @@ class H2ORuntime(AccumulatedAttentionHooks, EvictingRuntime):
         self.scores.put(slots, scores.gather(2, rows))  # kept rows' scores go where their KV goes
         self.bump("evictions")
         self.bump("rows_released", ret.n_rows - self.config.budget)
-        return ret.all_positions().gather(2, rows.cpu())  # logical positions, ascending per head
+        return KeptRows(rows)  # rows (ascending per head), not positions: no search back to rows

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from sgl_kernel_sparse.eviction_scores import rkv_select
 
-from sglang_sparse.core.eviction import EvictingRuntime
+from sglang_sparse.core.eviction import EvictingRuntime, KeptRows
 from sglang_sparse.core.events import DecodeBatch, LayerInput, StepInfo
 from sglang_sparse.core.memory_oracle import MemoryOracle
 from sglang_sparse.core.slot_scores import SlotScores
@@ -103,20 +103,18 @@ class RKVRuntime(EvictingRuntime):
     def finish_step(self, step: StepInfo) -> None:
         self.schedule_over_budget(step, self.config.budget, self.config.interval)
 
-    def plan(self, rid: str) -> torch.Tensor | None:
+    def plan(self, rid: str) -> KeptRows | None:
         c = self.config
         ret = self.cache.requests[rid].retained
         if ret.n_rows <= c.budget:
             return None
         slots = self.cache.resident_slots(rid)  # [n]: row i of every layer and head lives in slots[i]
         importance = self.scores.rows(slots) / (c.window * self.scores.group)  # mean over buffer and group
-        held = ret.all_positions()  # [layers, Hkv, n] logical position of each row
         keep = []
         for layer in range(self.cache.store.num_layers):
             keys = self.cache.store.k_buffer(layer)[slots.to(importance.device)].transpose(0, 1)  # [Hkv, n, d]
-            rows = rkv_select(importance[layer], keys, c.budget, c.window, c.alpha, c.kernel)
-            keep.append(held[layer].gather(1, rows.cpu()))
+            keep.append(rkv_select(importance[layer], keys, c.budget, c.window, c.alpha, c.kernel))
         self.scores.clear(slots)  # the buffer starts over
         self.bump("evictions")
         self.bump("rows_released", ret.n_rows - c.budget)
-        return torch.stack(keep)
+        return KeptRows(torch.stack(keep))  # [layers, Hkv, budget] rows, ascending per head
