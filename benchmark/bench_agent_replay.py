@@ -228,6 +228,17 @@ def main() -> None:
         for name in args.variants:
             variant_flags(name, args.budget)  # an unknown name fails before any server starts
         results, tuning, sources = {}, {}, None
+
+    def save() -> Path:
+        """The JSON so far: written after every variant, so a run cut by a call's limit keeps
+        what it measured."""
+        body = {"command": "python " + " ".join(sys.argv), "machine": platform.platform(),
+                "settings": {k: v for k, v in vars(args).items()}, "tuning": tuning, "results": results}
+        if sources is not None:
+            body["sources"] = sources
+        return write_json(args.out, body)
+
+    if not args.merge:
         for name in args.variants:
             dense = is_dense(name)
             sweep = [(s, False) for s in args.kv_splits] + [(s, True) for s in args.compile_splits] if dense else []
@@ -240,9 +251,10 @@ def main() -> None:
                 except Exception as err:  # keep what was measured; say what failed
                     runs[key] = {"error": repr(err), "kv_splits": splits, "torch_compile": compiled}
                 print(name, key, json.dumps(runs[key]), flush=True)
-            results[name] = best_run(runs)
-            if len(sweep) > 1:
-                tuning[name] = {k: r.get("wall_s", r.get("error")) for k, r in runs.items()}
+                results[name] = best_run(runs)
+                if len(sweep) > 1:
+                    tuning[name] = {k: r.get("wall_s", r.get("error")) for k, r in runs.items()}
+                save()
     print(f"\n{args.sessions} sessions x {args.turns} turns; system {args.system}, tool output {args.tool_output}, "
           f"answer {args.answer} tokens, tool wait {args.tool_wait}s, eviction budget {args.budget}")
     print(f"{'variant':<17}{'wall s':>8}{'prefilled':>11}{'reused':>9}{'peak KV':>9}{'KV at end':>10}"
@@ -259,12 +271,7 @@ def main() -> None:
             same = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
         print(f"{name:<17}{r['wall_s']:>8.1f}{r['prefilled_tokens']:>11}{r['reused_tokens']:>9}"
               f"{r['peak_kv_occupied']:>9}{r['kv_occupied_at_end']:>10}{r['prunes']['freed_slots']:>7}{same:>12}{speed:>10}")
-    body = {"command": "python " + " ".join(sys.argv), "machine": platform.platform(),
-            "settings": {k: v for k, v in vars(args).items()}, "tuning": tuning, "results": results}
-    if sources is not None:
-        body["sources"] = sources
-    path = write_json(args.out, body)
-    print(f"wrote {path}")
+    print(f"wrote {save()}")
 
 
 if __name__ == "__main__":

@@ -119,3 +119,28 @@ def test_agent_replay_merge_keeps_the_fastest_dense_of_every_file_and_every_fail
     assert tuning["dense+radix"] == {"a.json:32": 25.0, "a.json:16": 30.0, "b.json:8": 20.0,
                                      "c.json:16+compile": "ServerStartError('not healthy')"}
     assert set(sources) == {"a.json", "b.json", "c.json"}
+
+
+def test_agent_replay_writes_its_json_after_every_run(tmp_path, monkeypatch):
+    """A replay cut by the GPU call's limit (here: the second variant never returns) keeps what
+    it measured: the JSON is rewritten after every run, not only at the end."""
+    import json
+
+    import bench_agent_replay as A
+
+    def fake_run(name, args, splits, compiled):
+        if name == "snapkv+chain":
+            raise SystemExit("cut")  # not an Exception: the bench does not catch it, as a kill
+        return {"wall_s": 10.0 + (splits or 0), "errors": [], "kv_splits": splits, "torch_compile": compiled}
+
+    monkeypatch.setattr(A, "run_variant", fake_run)
+    out = tmp_path / "replay.json"
+    monkeypatch.setattr(sys, "argv", ["bench_agent_replay.py", "--variants", "dense+radix", "snapkv+chain",
+                                      "--kv-splits", "16", "32", "--out", str(out)])
+    try:
+        A.main()
+    except SystemExit:
+        pass
+    body = json.loads(out.read_text())
+    assert body["results"]["dense+radix"]["wall_s"] == 26.0  # the best of the sweep so far
+    assert body["tuning"]["dense+radix"] == {"16": 26.0, "32": 42.0} and "snapkv+chain" not in body["results"]

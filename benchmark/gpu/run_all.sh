@@ -229,8 +229,10 @@ for stage in "$@"; do
         --kv-splits 16 64 --timeout 200 --graphs-own-batch --out "$OUT/long_capacity_32k_online_all.json" \
         -- --chunked-prefill-size 8192 2>&1 | tee "$OUT/$stage.txt" ;;
     agent-replay-more)  # issue 16: the methods the 4-turn H200 replay lacked, with dense in the same call
+      # (dense first: KVzip probes each turn's context, 128 probes whose time on the GPU is unknown; the
+      # JSON is rewritten after every run, so a cut run keeps dense and SkipKV)
       timeout 560 python3 benchmark/bench_agent_replay.py --gpu --model-path "$M8" \
-        --variants skipkv+chain kvzip+chain dense+radix --kv-splits 16 32 --sessions 32 --turns 4 --system 4096 \
+        --variants dense+radix skipkv+chain kvzip+chain --kv-splits 16 32 --sessions 32 --turns 4 --system 4096 \
         --tool-output 2048 --answer 64 --budget 2048 --pool 98304 --out "$OUT/agent_replay_h200_more.json" \
         -- --cuda-graph-bs-decode 1 2 4 8 16 24 32 2>&1 | tee "$OUT/$stage.txt" ;;
     agent-replay9-a|agent-replay9-b)  # issue 16: the 9-turn replay (dense ~250 s, SnapKV ~75 s per run)
