@@ -404,7 +404,10 @@ def run_variant(name: str, args, extra: list[str], batches: list[int], prompts, 
                     res[str(b)]["park"] = parked
                 st = requests.get(srv.base_url + "/sparse/stats", timeout=60)
                 if st.status_code == 200:  # e.g. timings_us.compaction over steps: what eviction cost a step
-                    res[str(b)]["sparse_stats"] = {k: st.json().get(k) for k in ("steps", "counters", "timings_us")}
+                    # (totals since the server started: its warm-up and earlier batches included; a
+                    # capacity server runs one batch)
+                    body = st.json()
+                    res[str(b)]["sparse_stats"] = {k: body.get(k) for k in ("steps", "counters", "timings_us")}
                 print(name, b, f"kv-splits={splits}" if splits else "", json.dumps(res[str(b)]), flush=True)
                 save()
     except Exception as err:  # keep what was measured; say what failed

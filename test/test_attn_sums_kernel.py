@@ -93,6 +93,14 @@ def case_scattered_rows_with_weights(T):
     assert float(got[:, 51:].abs().sum()) == 0.0 and bool((got[:, :51] > 0).all())
 
 
+def case_unchecked_rows_give_the_same_sums(T):
+    """``check_rows_range=False`` (core.slot_scores, whose rows are an arange) skips only the
+    range check."""
+    q, keys, rows = chunk_inputs(50, 30, 4, 2, 16, torch.float32, 9)
+    torch.testing.assert_close(T.attention_sums(q, keys, rows, check_rows_range=False, block_m=16, block_n=16),
+                               T.attention_sums(q, keys, rows, block_m=16, block_n=16))
+
+
 def case_refusals(T):
     q, keys, rows = chunk_inputs(10, 6, 4, 2, 16, torch.float32, 7)
     for bad, why in [(dict(q_rows=rows + 5), "q_rows"), (dict(q_rows=rows - 10), "q_rows"),
@@ -183,6 +191,19 @@ def test_gpu_attention_sums(dtype):
     print(f"attention_sums {dtype} 2048 x 4096, 32/8 heads: reference {timings['reference']:.2f} ms, "
           f"triton {timings['triton']:.2f} ms")
     close(timings["triton_out"].cpu(), timings["reference_out"].cpu(), dtype, f"{dtype}")
+
+
+@pytest.mark.gpu
+def test_gpu_attention_sums_fp8_keys():
+    """An fp8 KV cache (``--kv-cache-dtype fp8_e4m3``) with bf16 queries: the dispatch converts the
+    keys to bf16 for the kernel, the reference upcasts them to fp32; the same sums."""
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("no float8 in this torch")
+    q, keys, rows = chunk_inputs(1024, 512, 32, 8, 128, torch.bfloat16, 12)
+    keys = keys.to(torch.float8_e4m3fn)
+    want = eviction_scores.attention_sums(q, keys, rows)
+    got = dispatch.attention_sums(q.cuda(), keys.cuda(), rows.cuda())
+    close(got.cpu(), want, torch.bfloat16, "fp8 keys")
 
 
 if __name__ == "__main__" and "--interp" in sys.argv:

@@ -211,4 +211,8 @@ def test_compact_rows_equals_compact_by_positions_and_refuses_rows_it_does_not_h
     for layer in range(LAYERS):
         assert torch.equal(a.keys("r", layer), b.keys("r", layer)) and torch.equal(a.values("r", layer), b.values("r", layer))
     with pytest.raises(IndexError, match="kept rows must lie in"):
-        b.compact_rows("r", torch.full((LAYERS, HKV, 3), 9))
+        b.compact_rows("r", torch.arange(7, 10).expand(LAYERS, HKV, 3))
+    with pytest.raises(ValueError, match="strictly ascending"):  # a repeated row would corrupt the map
+        b.compact_rows("r", torch.tensor([0, 2, 2]).expand(LAYERS, HKV, 3))
+    with pytest.raises(ValueError, match=r"\[layers, kv_heads, B\]"):
+        b.compact_rows("r", torch.arange(3).expand(HKV, 3))

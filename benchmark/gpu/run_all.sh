@@ -128,7 +128,7 @@ for stage in "$@"; do
         -k "torch_compile and quest" 2>&1 | tail -40 | tee "$OUT/gpu_$stage.txt" ;;
     kernels)
       python3 sgl-kernel-sparse/bench/bench_kernels.py --out "$OUT/kernels.json" --no-ref 2>&1 | tee "$OUT/kernels.txt" ;;
-    kernels-quest128k)  # issue 15: Quest's served decode kernels one by one at 128K, batch 1 / 4 (~1 min, est.)
+    kernels-quest128k)  # issue 15: Quest's served decode kernels one by one at 128K, batch 1 / 4, and attn_sums (~1.5 min, est.)
       timeout 200 python3 sgl-kernel-sparse/bench/bench_kernels.py --only quest128k attn_sums \
         --out "$OUT/kernels_quest128k.json" 2>&1 | tee "$OUT/$stage.txt" ;;
     capacity)
@@ -224,7 +224,7 @@ for stage in "$@"; do
       # six servers at 45-60 s each (decode graphs for their own batch only), 53 prefills at ~3.5 s, five
       # 40-token windows: ~560 s, so R-KV goes last (its own table: capacity-eviction). A failing kernel
       # fails its server only (the bench goes on); the kernel's GPU test is in tests-kernels
-      timeout 575 python3 benchmark/bench_long_context.py capacity --model-path "$M8" \
+      timeout 560 python3 benchmark/bench_long_context.py capacity --model-path "$M8" \
         --pool 49152 --prompt-len 32768 --output-len 2048 --methods dense h2o skipkv snapkv rkv --tune dense \
         --kv-splits 16 64 --timeout 200 --graphs-own-batch --out "$OUT/long_capacity_32k_online_all.json" \
         -- --chunked-prefill-size 8192 2>&1 | tee "$OUT/$stage.txt" ;;

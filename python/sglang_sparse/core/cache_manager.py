@@ -117,12 +117,17 @@ class CacheManager:
         layer and head, ~10 ms of one CPU thread at 36 x 8 x 2K rows)."""
         state = self.requests[rid]
         ret = state.retained
+        if rows.dim() != 3 or tuple(rows.shape[:2]) != (self.store.num_layers, ret.kv_heads):
+            raise ValueError(f"kept rows must be [layers, kv_heads, B] = [{self.store.num_layers}, {ret.kv_heads}, B], "
+                             f"got {tuple(rows.shape)}")
         if rows.shape[2] >= ret.n_rows:
             return 0
         rows_cpu = rows.cpu()
         if int(rows_cpu.min()) < 0 or int(rows_cpu.max()) >= ret.n_rows:
             raise IndexError(f"kept rows must lie in [0, {ret.n_rows}), got [{int(rows_cpu.min())}, "
                              f"{int(rows_cpu.max())}]")
+        if not bool((rows_cpu.diff(dim=-1) > 0).all()):  # the map's positions must stay ascending
+            raise ValueError("kept rows must be strictly ascending per layer and KV head")
         return self._compact_rows(state, rows, ret.all_positions().gather(2, rows_cpu))
 
     def _compact_rows(self, state: RequestState, src_rows: torch.Tensor, keep: torch.Tensor) -> int:

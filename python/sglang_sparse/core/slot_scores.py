@@ -48,7 +48,8 @@ class SlotScores:
                 return
             q, rows, weights = q[counted], rows[counted], weights.to(q.device)[counted]
         keys = self.store.k_buffer(layer)[slots]
-        scores.index_add_(0, slots, attention_sums(q, keys, rows, weights=weights).T)
+        # rows are in [0, n) by construction: the kernel skips its range check (a read back to the host)
+        scores.index_add_(0, slots, attention_sums(q, keys, rows, weights=weights, check_rows_range=False).T)
 
     def add_decode(self, batch: DecodeBatch, width: int, weight: torch.Tensor | None = None) -> None:
         """Tensor-only (captured into CUDA graphs): each decode query adds its attention over its

@@ -59,11 +59,13 @@ def _attn_sums_kernel(
     tl.store(OUT + g * N + n, acc, mask=n < N)
 
 
-def attention_sums(q, keys, q_rows, scale=None, weights=None, block_m=None, block_n=None):
+def attention_sums(q, keys, q_rows, scale=None, weights=None, block_m=None, block_n=None, check_rows_range=True):
     """Triton version of ``eviction_scores.attention_sums``: fp32 ``[Hkv, N]``.
 
     q ``[S, Hq, D]``, keys ``[N, Hkv, D]`` (same dtype, rows contiguous in D), q_rows ``[S]`` with
-    every entry in ``[0, N)``, weights ``[S]`` (optional, any float dtype)."""
+    every entry in ``[0, N)``, weights ``[S]`` (optional, any float dtype).
+    ``check_rows_range=False`` skips the range check of ``q_rows`` (two device -> host reads):
+    for a caller whose rows are in range by construction (``core.slot_scores``: an ``arange``)."""
     s, hq, d = q.shape
     n, hkv = keys.shape[0], keys.shape[1]
     check_gqa(hq, hkv)
@@ -73,9 +75,10 @@ def attention_sums(q, keys, q_rows, scale=None, weights=None, block_m=None, bloc
     out = torch.zeros(hkv, n, dtype=torch.float32, device=keys.device)
     if s == 0 or n == 0:
         return out
-    lo, hi = int(q_rows.min()), int(q_rows.max())
-    if lo < 0 or hi >= n:
-        raise ValueError(f"q_rows must lie in [0, N) = [0, {n}), got [{lo}, {hi}]")
+    if check_rows_range:
+        lo, hi = int(q_rows.min()), int(q_rows.max())
+        if lo < 0 or hi >= n:
+            raise ValueError(f"q_rows must lie in [0, N) = [0, {n}), got [{lo}, {hi}]")
     if weights is not None and weights.shape != (s,):
         raise ValueError(f"weights must have shape [S] = [{s}], got {tuple(weights.shape)}")
     qk_scale, common, strides = two_pass_tiling(q, keys, scale, block_m, block_n)
