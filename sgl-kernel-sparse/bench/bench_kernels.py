@@ -393,7 +393,7 @@ def quest128k_cases(dtype, quick, T, R, g):
     scores the group's query heads), each chosen KV row once per query head (each head reads its
     own pages), the table entries, the scores written and read."""
     ctx, page, n_sel = SIZES["q128_ctx"], SIZES["page"], SIZES["q128_sel"]
-    n_pages, k_pages = ctx // page, SIZES["q128_sel"] // page
+    n_pages, k_pages = ctx // page, n_sel // page
     for b in SIZES["q128_batches"][-1:] if quick else SIZES["q128_batches"]:
         k, v = kv_pool(b * ctx, dtype, g)
         kmin = torch.randn(b * n_pages, HKV, D, generator=g, device=DEVICE).to(dtype)

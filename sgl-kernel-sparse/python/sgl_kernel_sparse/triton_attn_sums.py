@@ -26,8 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import check_gqa, check_rows
-from .triton_kvzip import _keys_t, _logits, row_lse, two_pass_tiling
+from .triton_kvzip import _keys_t, _logits, check_two_pass_inputs, row_lse, two_pass_tiling
 
 
 @triton.jit
@@ -66,12 +65,9 @@ def attention_sums(q, keys, q_rows, scale=None, weights=None, block_m=None, bloc
     every entry in ``[0, N)``, weights ``[S]`` (optional, any float dtype).
     ``check_rows_range=False`` skips the range check of ``q_rows`` (two device -> host reads):
     for a caller whose rows are in range by construction (``core.slot_scores``: an ``arange``)."""
-    s, hq, d = q.shape
+    s = q.shape[0]
     n, hkv = keys.shape[0], keys.shape[1]
-    check_gqa(hq, hkv)
-    check_rows(q, keys, q_rows)
-    if q.dtype != keys.dtype:
-        raise ValueError(f"q {q.dtype} and keys {keys.dtype} must share a dtype")
+    check_two_pass_inputs(q, keys, q_rows, "q")
     out = torch.zeros(hkv, n, dtype=torch.float32, device=keys.device)
     if s == 0 or n == 0:
         return out

@@ -105,12 +105,9 @@ def kvzip_probe_scores(q_probe, keys, q_positions, context_len, scale=None, bloc
 
     q_probe ``[S, Hq, D]``, keys ``[N, Hkv, D]`` (same dtype, rows contiguous in D),
     q_positions ``[S]`` with every entry in ``[context_len, N)``."""
-    s, hq, d = q_probe.shape
+    s = q_probe.shape[0]
     n, hkv = keys.shape[0], keys.shape[1]
-    check_gqa(hq, hkv)
-    check_rows(q_probe, keys, q_positions)
-    if q_probe.dtype != keys.dtype:
-        raise ValueError(f"q_probe {q_probe.dtype} and keys {keys.dtype} must share a dtype")
+    check_two_pass_inputs(q_probe, keys, q_positions, "q_probe")
     if not 0 < context_len <= n or s == 0:
         raise ValueError(f"need 0 < context_len <= N and S > 0, got C={context_len}, N={n}, S={s}")
     lo, hi = int(q_positions.min()), int(q_positions.max())
@@ -123,6 +120,16 @@ def kvzip_probe_scores(q_probe, keys, q_positions, context_len, scale=None, bloc
     _kvzip_max_kernel[(triton.cdiv(context_len, common["BLOCK_N"]), hkv)](
         q_probe, keys, lse, out, qk_scale, s, context_len, *strides, **common)
     return out
+
+
+def check_two_pass_inputs(q, keys, positions, q_name):
+    """What both two-pass wrappers (this file's, ``triton_attn_sums``') refuse: a query head
+    count that is not a multiple of the KV heads, rows not contiguous in D, q and keys of
+    different dtypes."""
+    check_gqa(q.shape[1], keys.shape[1])
+    check_rows(q, keys, positions)
+    if q.dtype != keys.dtype:
+        raise ValueError(f"{q_name} {q.dtype} and keys {keys.dtype} must share a dtype")
 
 
 def two_pass_tiling(q, keys, scale, block_m, block_n):
