@@ -101,6 +101,16 @@ def case_unchecked_rows_give_the_same_sums(T):
                                T.attention_sums(q, keys, rows, block_m=16, block_n=16))
 
 
+def case_fp8_keys_fp16_and_bf16_queries(T):
+    """An fp8 KV cache (``--kv-cache-dtype fp8_e4m3``): the kernel converts each key tile to q's
+    dtype as it loads it (exact), so the sums are those of the keys converted first."""
+    for dtype, seed, fp8 in ((torch.float16, 10, torch.float8_e4m3fn), (torch.bfloat16, 11, torch.float8_e5m2)):
+        q, keys, rows = chunk_inputs(60, 30, 4, 2, 32, dtype, seed)
+        keys = keys.to(fp8)
+        want = eviction_scores.attention_sums(q, keys.to(dtype), rows)
+        close(T.attention_sums(q, keys, rows, block_m=16, block_n=16), want, dtype, f"fp8 {dtype}")
+
+
 def case_refusals(T):
     q, keys, rows = chunk_inputs(10, 6, 4, 2, 16, torch.float32, 7)
     for bad, why in [(dict(q_rows=rows + 5), "q_rows"), (dict(q_rows=rows - 10), "q_rows"),
@@ -195,8 +205,8 @@ def test_gpu_attention_sums(dtype):
 
 @pytest.mark.gpu
 def test_gpu_attention_sums_fp8_keys():
-    """An fp8 KV cache (``--kv-cache-dtype fp8_e4m3``) with bf16 queries: the dispatch converts the
-    keys to bf16 for the kernel, the reference upcasts them to fp32; the same sums."""
+    """An fp8 KV cache (``--kv-cache-dtype fp8_e4m3``) with bf16 queries: the kernel converts the
+    keys to bf16 as it loads them (tensor-core path), the reference upcasts them to fp32."""
     if not hasattr(torch, "float8_e4m3fn"):
         pytest.skip("no float8 in this torch")
     q, keys, rows = chunk_inputs(1024, 512, 32, 8, 128, torch.bfloat16, 12)
@@ -204,6 +214,17 @@ def test_gpu_attention_sums_fp8_keys():
     want = eviction_scores.attention_sums(q, keys, rows)
     got = dispatch.attention_sums(q.cuda(), keys.cuda(), rows.cuda())
     close(got.cpu(), want, torch.bfloat16, "fp8 keys")
+
+
+@pytest.mark.gpu
+def test_gpu_attention_sums_other_16bit_keys():
+    """An fp16 model with ``--kv-cache-dtype bf16``: the dispatch converts the keys to q's dtype
+    before the kernel (the kernel itself takes q's dtype or fp8 only)."""
+    q, keys, rows = chunk_inputs(512, 256, 32, 8, 128, torch.float16, 13)
+    keys = keys.to(torch.bfloat16)
+    want = eviction_scores.attention_sums(q, keys, rows)
+    got = dispatch.attention_sums(q.cuda(), keys.cuda(), rows.cuda())
+    close(got.cpu(), want, torch.float16, "bf16 keys, fp16 q")
 
 
 if __name__ == "__main__" and "--interp" in sys.argv:

@@ -76,6 +76,16 @@ def case_context_of_one_and_probe_of_one(T):
     _case(T, torch.float32, 1, 1, 2, 1, 16, 5, block_m=16, block_n=16)
 
 
+def case_fp8_keys_fp16_and_bf16_queries(T):
+    """An fp8 KV cache (``--kv-cache-dtype fp8_e4m3``): the kernel converts each key tile to the
+    probe's dtype as it loads it (exact), so the scores are those of the keys converted first."""
+    for dtype, seed in ((torch.float16, 8), (torch.bfloat16, 9)):
+        q, keys, pos = probe_inputs(50, 20, 4, 2, 32, dtype, seed)
+        keys = keys.to(torch.float8_e4m3fn)
+        want = reference.kvzip_probe_scores(q, keys.to(dtype), pos, 50)
+        close(T.kvzip_probe_scores(q, keys, pos, 50, block_m=16, block_n=16), want, dtype, f"fp8 {dtype}")
+
+
 def case_refusals(T):
     q, keys, pos = probe_inputs(10, 6, 4, 2, 16, torch.float32, 6)
     for bad, why in [(dict(q_positions=pos - 1), "positions"), (dict(context_len=0), "context_len"),
@@ -118,6 +128,16 @@ def test_gpu_kvzip_probe_scores(dtype):
     want = dispatch.kvzip_probe_scores(q.cpu(), keys.cpu(), pos.cpu(), 3000, query_block=256)
     got = dispatch.kvzip_probe_scores(q, keys, pos, 3000)  # the Triton kernel on CUDA
     close(got.cpu(), want, dtype, f"{dtype}")
+
+
+@pytest.mark.gpu
+def test_gpu_kvzip_probe_scores_fp8_keys():
+    """bf16 probe queries over fp8 keys (``--kv-cache-dtype fp8_e4m3``), converted in the kernel."""
+    q, keys, pos = probe_inputs(3000, 1000, 32, 8, 128, torch.bfloat16, 12)
+    keys = keys.to(torch.float8_e4m3fn)
+    want = dispatch.kvzip_probe_scores(q, keys.to(torch.bfloat16), pos, 3000, query_block=256)
+    got = dispatch.kvzip_probe_scores(q.cuda(), keys.cuda(), pos.cuda(), 3000)
+    close(got.cpu(), want, torch.bfloat16, "fp8 keys")
 
 
 if __name__ == "__main__" and "--interp" in sys.argv:

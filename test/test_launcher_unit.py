@@ -157,6 +157,19 @@ def test_fp8_sets_or_checks_the_kv_cache_dtype():
     assert "--kv-cache-dtype" not in argv
 
 
+@pytest.mark.parametrize("method", ["kvzip", "pyramidkv"])
+def test_per_layer_methods_refuse_an_fp8_kv_cache(method):
+    """KVzip and PyramidKV compact per layer in one flat allocation (SGLang's fp8 store as uint8
+    bytes): an fp8 KV cache is refused at launch with a sentence, not at the first request."""
+    from sglang_sparse.registry import ConfigError
+    from sglang_sparse.srt.launcher import sparse_config
+
+    with pytest.raises(ConfigError, match=f"--sparse-method {method} packs each layer's kept rows.*"
+                                          "--kv-cache-dtype fp8_e4m3 is not supported with it; drop the flag"):
+        sparse_config(["--device", "cpu", "--sparse-method", method, "--kv-cache-dtype", "fp8_e4m3"], log=lambda m: None)
+    sparse_config(["--device", "cpu", "--sparse-method", "snapkv", "--kv-cache-dtype", "fp8_e4m3"], log=lambda m: None)
+
+
 def test_retroinfer_decodes_eagerly_evicts_and_has_no_chains():
     """RetroInfer computes each decode layer in Python (ComputedDecodeView): CUDA graphs off on a
     GPU; its cold rows leave the pool: radix cache off; Chain Cache cannot carry its tiers."""

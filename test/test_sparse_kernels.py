@@ -453,6 +453,38 @@ def case_snapkv_bf16(T):
     _snapkv_case(T, torch.bfloat16, 4, 2, 16, 40, 8, 43)
 
 
+def _fp8_pool(n_rows, k, slots, g):
+    """An fp8 e4m3 pool (SGLang's ``--kv-cache-dtype fp8_e4m3``) of ``n_rows`` rows holding the fp8
+    keys ``k`` at ``slots`` (written through a uint8 view: fp8 has no index_put on every device)."""
+    pool_k = torch.randn(n_rows, *k.shape[1:], generator=g).to(k.dtype)
+    pool_k.view(torch.uint8)[slots] = k.view(torch.uint8)
+    return pool_k
+
+
+def case_snapkv_fp8_pool_fp16_queries(T):
+    """fp8 keys read from the pool through slots next to fp16 queries: the kernel converts each key
+    tile to fp16 as it loads it (exact), so the scores are those of the keys converted first."""
+    g = torch.Generator().manual_seed(44)
+    length, hkv, hq, d, w = 45, 2, 4, 32, 9
+    k = (torch.randn(length, hkv, d, generator=g) * 2).to(torch.float8_e4m3fn)
+    q_win = torch.randn(w, hq, d, generator=g).half()
+    slots = torch.randperm(length + 20, generator=g)[:length]
+    pool_k = _fp8_pool(length + 20, k, slots, g)
+    want = R.snapkv_window_scores(q_win, k.half())
+    torch.testing.assert_close(T.snapkv_window_scores(q_win, pool_k, slots=slots), want,
+                               atol=1e-5, rtol=1e-3)
+    # fp32 queries (the IEEE path converts 16-channel slices): the same scores as fp32 keys
+    torch.testing.assert_close(T.snapkv_window_scores(q_win.float(), pool_k, slots=slots),
+                               R.snapkv_window_scores(q_win.float(), k.float()), atol=1e-6, rtol=1e-4)
+    for bad in (k.float(), pool_k.view(torch.uint8)):  # other keys than q's dtype or fp8: refused
+        try:
+            T.snapkv_window_scores(q_win, bad)
+        except ValueError as exc:
+            assert "dtype" in str(exc) and "q_win" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"no refusal for {bad.dtype} keys next to fp16 queries")
+
+
 def _compact_case(T, dtype, seed, shared_src):
     g = torch.Generator().manual_seed(seed)
     hkv, d, n = 3, 16, 150  # n > the kernel's block: several programs per head
@@ -778,6 +810,47 @@ def test_gpu_snapkv_scores(dtype, length, w):
     if dtype == torch.float32:  # exact-ish scores: the selection itself must agree
         budget = min(length, 1024)
         assert torch.equal(R.snapkv_select(got, w, budget, 7), R.snapkv_select(want, w, budget, 7))
+
+
+def test_fp8_keys_are_converted_in_torch_where_triton_cannot():
+    """Before sm_89 Triton has no in-kernel fp8 conversion: ``kernel_keys`` gathers the keys through
+    the slots and converts them in torch (checked here with the capability test forced off)."""
+    from sgl_kernel_sparse import triton_common as C
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(4, 2, 16, generator=g).to(torch.bfloat16)
+    pool_k = torch.randn(30, 1, 16, generator=g).to(torch.float8_e4m3fn)
+    slots = torch.tensor([7, 2, 19])
+    keys, s = C.kernel_keys(q, pool_k, "q", "k", slots)
+    assert keys is pool_k and s is slots  # the interpreter / sm_89+: converted in the kernel
+    orig = C.fp8_in_kernel
+    C.fp8_in_kernel = lambda device: False
+    try:
+        keys, s = C.kernel_keys(q, pool_k, "q", "k", slots)
+    finally:
+        C.fp8_in_kernel = orig
+    assert s is None and keys.dtype == torch.bfloat16
+    assert torch.equal(keys, pool_k[slots].to(torch.bfloat16))
+    with pytest.raises(ValueError, match="q torch.bfloat16 and k torch.float16 must share a dtype"):
+        C.kernel_keys(q, pool_k.half(), "q", "k")
+
+
+@pytest.mark.gpu
+def test_gpu_snapkv_scores_fp8_pool():
+    """SnapKV with ``--kv-cache-dtype fp8_e4m3``: bf16 window queries, fp8 keys read from the pool
+    through slots, converted inside the kernel (its tensor-core path, which the interpreter case
+    does not take for bf16)."""
+    from sgl_kernel_sparse import triton_ops as T
+
+    g = torch.Generator().manual_seed(7)
+    length, w = 4096 + 17, 32
+    k = (torch.randn(length, 8, 128, generator=g) * 2).to(torch.float8_e4m3fn)
+    q_win = torch.randn(w, 32, 128, generator=g).to(torch.bfloat16)
+    slots = torch.randperm(2 * length, generator=g)[:length]
+    pool_k = _fp8_pool(2 * length, k, slots, g)
+    want = R.snapkv_window_scores(q_win, k.to(torch.bfloat16))
+    got = T.snapkv_window_scores(q_win.cuda(), pool_k.cuda(), slots=slots.cuda())
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=2e-3)
 
 
 @pytest.mark.gpu

@@ -332,6 +332,11 @@ def _kv_cache_dtype(config: dict, runtime, argv: list[str], given, log) -> list[
     given, refuse a conflicting one."""
     need = runtime.required_kv_cache_dtype(build_config(config["method"], config["options"]))
     if need is None:
+        given_fp8 = (given.kv_cache_dtype or "").startswith("fp8")
+        if given_fp8 and runtime.per_layer_rows:  # engine/flat_pool.py keeps SGLang's uint8 store
+            raise ConfigError(f"--sparse-method {config['method']} packs each layer's kept rows into one flat "
+                              f"KV allocation, which has no fp8 form: --kv-cache-dtype {given.kv_cache_dtype} "
+                              f"is not supported with it; drop the flag")
         return argv
     if given.kv_cache_dtype is None:
         log(f"sglang_sparse: {config['method']} stores KV as {need}; added --kv-cache-dtype {need}")

@@ -146,10 +146,11 @@ def attention_sums(q, keys, q_rows, scale=None, weights=None, **triton_kwargs):
     """``eviction_scores.attention_sums`` (accumulated causal attention per key, ``[Hkv, N]``): on
     CUDA the two-pass Triton kernel (``triton_attn_sums``, nothing of size ``S x N`` in memory);
     elsewhere the reference over blocks of queries (Triton-only keyword arguments, e.g.
-    ``check_rows_range``, are dropped there). Keys of another dtype than q (an fp8 KV cache) are
-    converted to q's first, as the reference's fp32 upcast does."""
+    ``check_rows_range``, are dropped there). fp8 keys (an fp8 KV cache) are converted to q's
+    dtype inside the kernel, other 16/32-bit keys (e.g. ``--kv-cache-dtype bf16`` under an fp16
+    model) here, as the reference's fp32 upcast does."""
     if use_triton(q, keys, q_rows):
-        if keys.dtype != q.dtype:
+        if keys.dtype != q.dtype and keys.dtype.is_floating_point and keys.element_size() > 1:
             keys = keys.to(q.dtype)
         return _triton_ops().attention_sums(q, keys, q_rows, scale=scale, weights=weights, **triton_kwargs)
     return eviction_scores.attention_sums(q, keys, q_rows, scale=scale, weights=weights)

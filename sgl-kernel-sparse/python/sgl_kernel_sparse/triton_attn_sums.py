@@ -40,7 +40,7 @@ def _attn_sums_kernel(
     g = tl.program_id(1)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # key rows [0, N)
     d = tl.arange(0, BLOCK_D)
-    k_t = _keys_t(K, s_kn, s_kh, g, n, N, d, D)
+    k_t = _keys_t(K, Q, s_kn, s_kh, g, n, N, d, D)
     first = nb * BLOCK_N  # the block's first key: queries with a smaller row see none of it
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for gi in tl.static_range(GROUP):
@@ -61,13 +61,13 @@ def _attn_sums_kernel(
 def attention_sums(q, keys, q_rows, scale=None, weights=None, block_m=None, block_n=None, check_rows_range=True):
     """Triton version of ``eviction_scores.attention_sums``: fp32 ``[Hkv, N]``.
 
-    q ``[S, Hq, D]``, keys ``[N, Hkv, D]`` (same dtype, rows contiguous in D), q_rows ``[S]`` with
+    q ``[S, Hq, D]``, keys ``[N, Hkv, D]`` (q's dtype or fp8, rows contiguous in D), q_rows ``[S]`` with
     every entry in ``[0, N)``, weights ``[S]`` (optional, any float dtype).
     ``check_rows_range=False`` skips the range check of ``q_rows`` (two device -> host reads):
     for a caller whose rows are in range by construction (``core.slot_scores``: an ``arange``)."""
     s = q.shape[0]
     n, hkv = keys.shape[0], keys.shape[1]
-    check_two_pass_inputs(q, keys, q_rows, "q")
+    keys = check_two_pass_inputs(q, keys, q_rows, "q")
     out = torch.zeros(hkv, n, dtype=torch.float32, device=keys.device)
     if s == 0 or n == 0:
         return out

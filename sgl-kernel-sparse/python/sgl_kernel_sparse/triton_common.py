@@ -32,6 +32,41 @@ def check_rows(*tensors: torch.Tensor) -> None:
             raise ValueError(f"innermost dim must be contiguous, got strides {t.stride()}")
 
 
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
+def kernel_keys(q: torch.Tensor, keys: torch.Tensor, q_name: str, k_name: str = "keys", slots=None):
+    """The keys (and ``slots``) a score kernel reads: ``keys`` of q's dtype, or fp8 (SGLang's
+    ``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2`` pool) next to 16/32-bit queries, which the kernels
+    convert tile by tile as they load them (exact: every fp8 value is a bf16 / fp16 value), so the
+    pool is never copied. Triton converts fp8 in a kernel from sm_89 on; on older GPUs the keys
+    (gathered through ``slots`` first, if given) are converted in torch here. Any other pair of
+    dtypes is refused. No fp8 scale is applied: SGLang's pools hold ``k / k_scale``, and
+    ``k_scale`` is 1 unless the checkpoint carries KV scales."""
+    if keys.dtype != q.dtype and not (keys.dtype in FP8_DTYPES and q.dtype in _FP8_QUERY_DTYPES):
+        raise ValueError(f"{q_name} {q.dtype} and {k_name} {keys.dtype} must share a dtype "
+                         f"(or {k_name} be fp8 next to fp16 / bf16 / fp32 {q_name})")
+    if keys.dtype != q.dtype and not fp8_in_kernel(keys.device):
+        if slots is not None:
+            keys, slots = keys[slots.long()], None
+        keys = keys.to(q.dtype)
+    return keys, slots
+
+
+_FP8_QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FP8_OK: dict = {}  # device index -> compute capability >= 8.9, read once
+
+
+def fp8_in_kernel(device: torch.device) -> bool:
+    """Whether Triton can convert fp8 inside a kernel here: the interpreter, or sm_89+ GPUs."""
+    if device.type != "cuda":
+        return True
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _FP8_OK:
+        _FP8_OK[index] = torch.cuda.get_device_capability(index) >= (8, 9)
+    return _FP8_OK[index]
+
+
 def check_gqa(hq: int, hkv: int) -> None:
     """Grouped-query attention: query head ``h`` reads KV head ``h // (hq // hkv)``."""
     if hq % hkv:

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import check_gqa, check_rows, interpreting, pow2
+from .triton_common import check_gqa, check_rows, interpreting, kernel_keys, pow2
 
 LOG2E = 1.4426950408889634
 
@@ -43,10 +43,11 @@ def _logits(Q, s_qs, s_qh, h, m, M, k_t, qk_scale, d, D: tl.constexpr, IEEE: tl.
 
 
 @triton.jit
-def _keys_t(K, s_kn, s_kh, g, n, N, d, D: tl.constexpr):
-    """KV head g's keys n, transposed: [BLOCK_D, BLOCK_N]."""
-    return tl.load(K + n[None, :].to(tl.int64) * s_kn + g * s_kh + d[:, None],
-                   mask=(n[None, :] < N) & (d[:, None] < D), other=0.0)
+def _keys_t(K, Q, s_kn, s_kh, g, n, N, d, D: tl.constexpr):
+    """KV head g's keys n, transposed and in Q's dtype (fp8 keys are converted here): [BLOCK_D, BLOCK_N]."""
+    k = tl.load(K + n[None, :].to(tl.int64) * s_kn + g * s_kh + d[:, None],
+                mask=(n[None, :] < N) & (d[:, None] < D), other=0.0)
+    return k.to(Q.dtype.element_ty)
 
 
 @triton.jit
@@ -68,7 +69,7 @@ def _kvzip_lse_kernel(
     run_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     for n0 in range(0, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        k_t = _keys_t(K, s_kn, s_kh, g, n, N, d, D)
+        k_t = _keys_t(K, Q, s_kn, s_kh, g, n, N, d, D)
         s = _logits(Q, s_qs, s_qh, h, m, S, k_t, qk_scale, d, D, IEEE)
         s = tl.where(n[None, :] <= pos[:, None], s, -float("inf"))  # causal (and n < N: pos < N)
         new_max = tl.maximum(run_max, tl.max(s, axis=1))  # finite: key 0 is in the first tile
@@ -88,7 +89,7 @@ def _kvzip_max_kernel(
     g = tl.program_id(1)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # context positions [0, C)
     d = tl.arange(0, BLOCK_D)
-    k_t = _keys_t(K, s_kn, s_kh, g, n, C, d, D)
+    k_t = _keys_t(K, Q, s_kn, s_kh, g, n, C, d, D)
     best = tl.zeros([BLOCK_N], dtype=tl.float32)  # probabilities are >= 0
     for gi in tl.static_range(GROUP):
         h = g * GROUP + gi
@@ -103,11 +104,11 @@ def _kvzip_max_kernel(
 def kvzip_probe_scores(q_probe, keys, q_positions, context_len, scale=None, block_m=None, block_n=None):
     """Triton version of ``reference.kvzip_probe_scores``: fp32 ``[Hkv, context_len]``.
 
-    q_probe ``[S, Hq, D]``, keys ``[N, Hkv, D]`` (same dtype, rows contiguous in D),
+    q_probe ``[S, Hq, D]``, keys ``[N, Hkv, D]`` (q's dtype or fp8, rows contiguous in D),
     q_positions ``[S]`` with every entry in ``[context_len, N)``."""
     s = q_probe.shape[0]
     n, hkv = keys.shape[0], keys.shape[1]
-    check_two_pass_inputs(q_probe, keys, q_positions, "q_probe")
+    keys = check_two_pass_inputs(q_probe, keys, q_positions, "q_probe")
     if not 0 < context_len <= n or s == 0:
         raise ValueError(f"need 0 < context_len <= N and S > 0, got C={context_len}, N={n}, S={s}")
     lo, hi = int(q_positions.min()), int(q_positions.max())
@@ -124,12 +125,11 @@ def kvzip_probe_scores(q_probe, keys, q_positions, context_len, scale=None, bloc
 
 def check_two_pass_inputs(q, keys, positions, q_name):
     """What both two-pass wrappers (this file's, ``triton_attn_sums``') refuse: a query head
-    count that is not a multiple of the KV heads, rows not contiguous in D, q and keys of
-    different dtypes."""
+    count that is not a multiple of the KV heads, rows not contiguous in D, keys neither of q's
+    dtype nor fp8. Returns the keys the kernels read (``kernel_keys``)."""
     check_gqa(q.shape[1], keys.shape[1])
     check_rows(q, keys, positions)
-    if q.dtype != keys.dtype:
-        raise ValueError(f"{q_name} {q.dtype} and keys {keys.dtype} must share a dtype")
+    return kernel_keys(q, keys, q_name)[0]
 
 
 def two_pass_tiling(q, keys, scale, block_m, block_n):

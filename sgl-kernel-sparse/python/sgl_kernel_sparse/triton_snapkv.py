@@ -16,21 +16,23 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import check_device, check_gqa, check_rows, pow2
+from .triton_common import check_device, check_gqa, check_rows, kernel_keys, pow2
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_keys_t(K, SLOTS, s_ks, s_kh, g, l, d, L, D: tl.constexpr, HAS_SLOTS: tl.constexpr):
-    """Key tile of KV head g for keys l and channels d, transposed: [len(d), len(l)]."""
+def _load_keys_t(K, Q, SLOTS, s_ks, s_kh, g, l, d, L, D: tl.constexpr, HAS_SLOTS: tl.constexpr):
+    """Key tile of KV head g for keys l and channels d, transposed, in Q's dtype (an fp8 pool's
+    keys are converted here): [len(d), len(l)]."""
     lmask = l < L
     if HAS_SLOTS:
         row = tl.load(SLOTS + l, mask=lmask, other=0).to(tl.int64)  # pool slot of key l
     else:
         row = l.to(tl.int64)
-    return tl.load(K + row[None, :] * s_ks + g * s_kh + d[:, None],
-                   mask=lmask[None, :] & (d[:, None] < D), other=0.0)
+    k = tl.load(K + row[None, :] * s_ks + g * s_kh + d[:, None],
+                mask=lmask[None, :] & (d[:, None] < D), other=0.0)
+    return k.to(Q.dtype.element_ty)
 
 
 @triton.jit
@@ -47,7 +49,7 @@ def _head_logits(Q, K, SLOTS, k_t, s_qw, s_qh, s_ks, s_kh, h, g, w, l, W, L, qk_
             d = d0 + tl.arange(0, 16)
             q = tl.load(Q + w[:, None] * s_qw + h * s_qh + d[None, :],
                         mask=wmask & (d[None, :] < D), other=0.0)
-            kt = _load_keys_t(K, SLOTS, s_ks, s_kh, g, l, d, L, D, HAS_SLOTS)
+            kt = _load_keys_t(K, Q, SLOTS, s_ks, s_kh, g, l, d, L, D, HAS_SLOTS)
             s += tl.dot(q, kt, input_precision="ieee")
     else:
         d = tl.arange(0, BLOCK_D)
@@ -73,7 +75,7 @@ def _snapkv_lse_kernel(
     if IEEE:
         k_t = 0.0  # loaded slice by slice in _head_logits
     else:
-        k_t = _load_keys_t(K, SLOTS, s_ks, s_kh, g, l, d, L, D, HAS_SLOTS)
+        k_t = _load_keys_t(K, Q, SLOTS, s_ks, s_kh, g, l, d, L, D, HAS_SLOTS)
     seen = (l[None, :] <= (L - W + w)[:, None]) & (l[None, :] < L)  # causal, [BLOCK_W, BLOCK_L]
     for gi in tl.static_range(GROUP):
         h = g * GROUP + gi
@@ -102,7 +104,7 @@ def _snapkv_score_kernel(
     if IEEE:
         k_t = 0.0  # loaded slice by slice in _head_logits
     else:
-        k_t = _load_keys_t(K, SLOTS, s_ks, s_kh, g, l, d, L, D, HAS_SLOTS)
+        k_t = _load_keys_t(K, Q, SLOTS, s_ks, s_kh, g, l, d, L, D, HAS_SLOTS)
     seen = (l[None, :] <= (L - W + w)[:, None]) & (l[None, :] < L) & (w[:, None] < W)
     acc = tl.zeros([BLOCK_L], dtype=tl.float32)
     for gi in tl.static_range(GROUP):
@@ -123,8 +125,7 @@ def snapkv_window_scores(q_win, k, scale=None, slots=None, block_l=None):
     check_gqa(hq, hkv)
     if not 0 < w <= length:
         raise ValueError(f"need 0 < W <= L, got W={w}, L={length}")
-    if q_win.dtype != k.dtype:
-        raise ValueError(f"q_win {q_win.dtype} and k {k.dtype} must share a dtype")
+    k, slots = kernel_keys(q_win, k, "q_win", "k", slots)
     check_rows(q_win, k)
     if slots is not None:
         check_device(slots)
