@@ -89,6 +89,10 @@ def test_every_eviction_frees_exactly_the_rows_over_the_budget(server):
     # what the compactions cost is reported (host wall time), apart from the event counters
     assert after["timings_us"]["compaction"] > before["timings_us"].get("compaction", 0)
     assert "compaction" not in after["counters"]
+    # the decode-time evictions apart from the prompt's (prompt compression, between chunks)
+    assert delta(after, before, "decode_compactions") == decode_evictions
+    decode_us = after["timings_us"]["compaction_decode"] - before["timings_us"].get("compaction_decode", 0)
+    assert 0 < decode_us <= after["timings_us"]["compaction"] - before["timings_us"].get("compaction", 0)
     kept = BUDGET + (new - 1) % INTERVAL  # rows the chain parks
     rec = chain(server, o["meta_info"]["chain_id"])
     assert (rec["processed_tokens"], rec["retained_rows"]) == (prompt + new - 1, kept)

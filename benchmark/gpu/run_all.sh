@@ -26,7 +26,8 @@
 # Benchmarks:
 #   kernels   sgl-kernel-sparse microbenchmarks (bandwidth against the HBM ceiling)      ~2 min
 #   kernels-quest128k  Quest's served decode kernels at 128K (fold, paged scores, select_top, paged decode),
-#                   and the attention-sums kernel at an H2O prompt chunk (~1.5 min, est.)
+#                   and the attention-sums kernel at an H2O prompt chunk (15 s, 2026-12-05)
+#   kernels-quest128k-sweep  the paged attention at 128K over block_n x num_splits (choose its 128K default)
 #   capacity  8B shape, 32K in / 2K out: largest resident batch, dense vs SnapKV(2048)   ~7 min
 #   capacity393k  the same at a 393,216-token pool: SnapKV (batch 89), then dense over 16/32 splits ~9.5 min
 #   capacity-eviction  R-KV, SnapKV and dense (16 splits) at a 98,304-token pool               ~6 min
@@ -38,9 +39,9 @@
 #                   chain, dense + radix at 16 splits with --enable-torch-compile (dense first); (b) dense + radix at 32
 #                   splits, then tests-retroinfer; merge: bench_agent_replay.py --merge (~9 min each, est.)
 #   capacity-payload-equal  issue 17 after the pool-split fix (7a3313b): Palu 0.5 / 0.75, TurboQuant 3-bit and
-#                   dense (16 / 64 splits) with the same KV bytes (check kv_bytes_total), 196,608 pool (~9 min, est.)
+#                   dense (16 / 64 splits) with the same KV bytes (check kv_bytes_total), 196,608 pool (551 s, 2026-12-05)
 #   capacity-online-all  issue 16: capacity-online's five methods in one run (dense 16 / 64 splits, H2O,
-#                   SkipKV, SnapKV, then R-KV), 49,152 pool (~9.5 min, est.)
+#                   SkipKV, SnapKV, then R-KV), 49,152 pool (520 s, 2026-12-05)
 #   agent-replay-more  issue 16: the 4-turn replay for SkipKV and KVzip + chain, dense + radix (16 / 32 splits)
 #                   in the same call (~7 min, est.)
 #   matched   8B shape, 32K: plain SGLang vs dense vs Quest(2048) at batch 1 2 4 8       ~8 min
@@ -128,9 +129,14 @@ for stage in "$@"; do
         -k "torch_compile and quest" 2>&1 | tail -40 | tee "$OUT/gpu_$stage.txt" ;;
     kernels)
       python3 sgl-kernel-sparse/bench/bench_kernels.py --out "$OUT/kernels.json" --no-ref 2>&1 | tee "$OUT/kernels.txt" ;;
-    kernels-quest128k)  # issue 15: Quest's served decode kernels one by one at 128K, batch 1 / 4, and attn_sums (~1.5 min, est.)
+    kernels-quest128k)  # issue 15: Quest's served decode kernels one by one at 128K, batch 1 / 4, and attn_sums (15 s, 2026-12-05)
       timeout 200 python3 sgl-kernel-sparse/bench/bench_kernels.py --only quest128k attn_sums \
         --out "$OUT/kernels_quest128k.json" 2>&1 | tee "$OUT/$stage.txt" ;;
+    kernels-quest128k-sweep)  # issue 15: the paged attention at 128K over block_n 32/64/128 x splits 4/8/16/32
+      # (its default is not tuned for 128K; an ad hoc sweep, 2026-12-05, moved 2x between repeats: each case here
+      # is the median of --iters calls with L2 flushed), then the four served kernels again
+      timeout 200 python3 sgl-kernel-sparse/bench/bench_kernels.py --only quest128k --sweep --no-ref --iters 200 \
+        --out "$OUT/kernels_quest128k_sweep.json" 2>&1 | tee "$OUT/$stage.txt" ;;
     capacity)
       python3 benchmark/bench_long_context.py capacity "${LONG[@]}" --prompt-len 32768 --output-len 2048 \
         --methods dense snapkv --out long_capacity_32k.json -- --cuda-graph-bs-decode 1 2 4 8 16 32 48 64 \

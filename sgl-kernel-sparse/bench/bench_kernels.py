@@ -385,13 +385,14 @@ def paged_table(b, ctx, page, g):
     return (perm * page + torch.arange(page, device=DEVICE)).view(b, ctx).int()
 
 
-def quest128k_cases(dtype, quick, T, R, g):
+def quest128k_cases(dtype, quick, sweep, T, R, g):
     """One sparse layer of Quest's served decode step at 128K, kernel by kernel, in the order the
     server runs them (``kernels/quest_pages``): fold the new keys into their pages' summaries,
     score every page from the per-physical-page summaries, pick the top pages per query head
     (``select_top``), attend over them. Bytes: each page summary once per KV head (one tile
     scores the group's query heads), each chosen KV row once per query head (each head reads its
-    own pages), the table entries, the scores written and read."""
+    own pages), the table entries, the scores written and read. ``sweep``: the paged attention
+    also at each ``block_n`` x ``num_splits`` (its default is not tuned for 128K)."""
     ctx, page, n_sel = SIZES["q128_ctx"], SIZES["page"], SIZES["q128_sel"]
     n_pages, k_pages = ctx // page, n_sel // page
     for b in SIZES["q128_batches"][-1:] if quick else SIZES["q128_batches"]:
@@ -417,12 +418,17 @@ def quest128k_cases(dtype, quick, T, R, g):
                    bytes=nbytes(scores) + b * HQ * k_pages * 8,
                    run=lambda: T.select_top(scores, k_pages), ref=lambda: R.quest_select_pages(scores, k_pages))
         page_ids = T.select_top(scores, k_pages)
-        splits = _decode_splits(T, b, n_sel, q, {})
-        yield dict(kernel="paged_sparse_decode_attention", shape=f"B={b} pages={k_pages}x{page} ctx={ctx}",
-                   config="auto", bytes=nbytes(q, page_ids, seq, q) + b * HQ * n_sel * 4
-                   + 2 * b * HQ * n_sel * D * k.element_size() + splits_bytes(b, splits),
-                   run=lambda a=(q, k, v, r2t, req, page_ids, seq, page): T.paged_sparse_decode_attention(*a),
-                   ref=None)
+        configs = [dict()]
+        if sweep:
+            configs += [dict(block_n=bn, num_splits=s) for bn in (32, 64, 128) for s in (4, 8, 16, 32)]
+        for cfg in configs:
+            splits = _decode_splits(T, b, n_sel, q, cfg)
+            yield dict(kernel="paged_sparse_decode_attention", shape=f"B={b} pages={k_pages}x{page} ctx={ctx}",
+                       config=cfg or "auto", bytes=nbytes(q, page_ids, seq, q) + b * HQ * n_sel * 4
+                       + 2 * b * HQ * n_sel * D * k.element_size() + splits_bytes(b, splits),
+                       run=lambda cfg=cfg, a=(q, k, v, r2t, req, page_ids, seq, page):
+                       T.paged_sparse_decode_attention(*a, **cfg),
+                       ref=None)
 
 
 def attn_sums_cases(dtype, quick, T, R, g):
@@ -468,7 +474,7 @@ def main() -> int:
               "cells": lambda: cells_cases(dtype, args.quick, T, R, g),
               "omnikv": lambda: omnikv_cases(dtype, args.quick, T, R, g),
               "attn_sums": lambda: attn_sums_cases(dtype, args.quick, T, R, g),
-              "quest128k": lambda: quest128k_cases(dtype, args.quick, T, R, g)}
+              "quest128k": lambda: quest128k_cases(dtype, args.quick, args.sweep, T, R, g)}
     unknown = set(args.only or ()) - set(groups)
     if unknown:
         print(f"--only: unknown group(s) {sorted(unknown)}; allowed: {sorted(groups)}", file=sys.stderr)

@@ -67,22 +67,32 @@ class EvictingRuntime(SparseMethodRuntime):
         says what eviction costs a decode step (``timings_us.compaction / steps``). On a GPU that
         includes the plans' device work (their results are read on the host; the device is idle
         at the safe point, so nothing else is waited for) but not the KV moves, which run
-        asynchronously (no synchronize on the serving path)."""
+        asynchronously (no synchronize on the serving path). The compactions of requests already
+        decoding (logical length past the prompt) are also counted apart,
+        ``counters.decode_compactions`` and ``timings_us.compaction_decode``: prompt compressions
+        and evictions between prompt chunks drop thousands of rows, a decode eviction ``interval``."""
         if not self.pending:
             return 0
         t0 = time.perf_counter()
         freed, waiting = 0, []
         for rid in self.pending:
-            if rid not in self.cache.requests:  # gone: finished before its safe point
+            state = self.cache.requests.get(rid)
+            if state is None:  # gone: finished before its safe point
                 continue
             if only is not None and rid not in only:
                 waiting.append(rid)
+                continue
+            t = time.perf_counter()
+            decoding = state.retained.logical_len > state.prompt_len
+            keep = self.plan(rid)
+            if isinstance(keep, KeptRows):
+                got = self.cache.compact_rows(rid, keep.rows)  # counted in cache.counters
             else:
-                keep = self.plan(rid)
-                if isinstance(keep, KeptRows):
-                    freed += self.cache.compact_rows(rid, keep.rows)  # counted in cache.counters
-                elif keep is not None:
-                    freed += self.cache.compact(rid, keep)
+                got = self.cache.compact(rid, keep) if keep is not None else 0
+            freed += got
+            if got and decoding:
+                self.bump("decode_compactions")
+                self.add_time("compaction_decode", time.perf_counter() - t)
         self.pending = waiting
         if freed:
             self.add_time("compaction", time.perf_counter() - t0)
