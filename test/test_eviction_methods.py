@@ -274,3 +274,25 @@ def test_a_chunk_after_per_layer_rows_attends_exactly_the_kept_rows():
                 pos = torch.cat([kept[layer][h // (hq // HKV)], torch.arange(length, length + i + 1)])
                 w = torch.softmax((k[layer][pos, h // (hq // HKV)] @ q[layer][length + i, h]) / k[0].shape[-1] ** 0.5, 0)
                 torch.testing.assert_close(got[i, h], w @ v[layer][pos, h // (hq // HKV)], rtol=1e-5, atol=1e-5)
+
+
+def test_decode_compactions_count_only_evictions_planned_at_a_decode_token():
+    """``counters.decode_compactions`` (and ``timings_us.compaction_decode``) count the
+    compactions planned at a decode token, not the prompt's: here the last prompt chunk's
+    eviction is a prompt one, every later one a decode one."""
+    sinks, recent, every = 4, 16, 5
+    q, k, v = qkv(40, seed=7)  # 40 > sinks + recent: the prompt is evicted after its last chunk
+    eng = ToyEngine("streamingllm", {"sinks": sinks, "recent": recent, "evict_every": every}, slots=128)
+    assert eng.prefill("a", 0, q, k, v, chunk=8) > 0
+    counters = eng.ctl.stats()["counters"]
+    assert counters.get("decode_compactions", 0) == 0 and counters["compactions"] == 1
+    decode_evictions = 0
+    for step in range(23):
+        dq, dk, dv = qkv(1, seed=400 + step)
+        decode_evictions += eng.decode("a", 0, dq, dk, dv) > 0
+    stats = eng.ctl.stats()
+    assert decode_evictions == 23 // every
+    assert stats["counters"]["decode_compactions"] == decode_evictions
+    assert stats["counters"]["compactions"] == decode_evictions + 1
+    assert 0 < stats["timings_us"]["compaction_decode"] <= stats["timings_us"]["compaction"]
+    eng.finish("a", 0)

@@ -158,16 +158,39 @@ def test_fp8_sets_or_checks_the_kv_cache_dtype():
 
 
 @pytest.mark.parametrize("method", ["kvzip", "pyramidkv"])
-def test_per_layer_methods_refuse_an_fp8_kv_cache(method):
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "mxfp8"])
+def test_per_layer_methods_refuse_a_quantized_kv_cache(method, kv_dtype):
     """KVzip and PyramidKV compact per layer in one flat allocation (SGLang's fp8 store as uint8
     bytes): an fp8 KV cache is refused at launch with a sentence, not at the first request."""
     from sglang_sparse.registry import ConfigError
     from sglang_sparse.srt.launcher import sparse_config
 
     with pytest.raises(ConfigError, match=f"--sparse-method {method} packs each layer's kept rows.*"
-                                          "--kv-cache-dtype fp8_e4m3 is not supported with it; drop the flag"):
-        sparse_config(["--device", "cpu", "--sparse-method", method, "--kv-cache-dtype", "fp8_e4m3"], log=lambda m: None)
-    sparse_config(["--device", "cpu", "--sparse-method", "snapkv", "--kv-cache-dtype", "fp8_e4m3"], log=lambda m: None)
+                                          f"--kv-cache-dtype {kv_dtype} is not supported with it; drop the flag"):
+        sparse_config(["--device", "cpu", "--sparse-method", method, "--kv-cache-dtype", kv_dtype], log=lambda m: None)
+    sparse_config(["--device", "cpu", "--sparse-method", method, "--kv-cache-dtype", "bfloat16"], log=lambda m: None)
+    sparse_config(["--device", "cpu", "--sparse-method", "snapkv", "--kv-cache-dtype", kv_dtype], log=lambda m: None)
+
+
+def test_per_layer_methods_refuse_a_checkpoint_fp8_kv_cache_at_start(monkeypatch):
+    """An fp8 checkpoint resolves ``--kv-cache-dtype auto`` to fp8 inside SGLang, past the
+    launcher: the scheduler's controller refuses the uint8-stored pool before any request."""
+    import types
+
+    import torch
+
+    from sglang_sparse.srt import activation
+    from sglang_sparse.srt.engine import controller
+    from sglang_sparse.srt.state import STATE, SchedulerState
+
+    monkeypatch.setattr(STATE, "scheduler", SchedulerState())
+    monkeypatch.setattr(activation, "load_config", lambda: {"method": "pyramidkv"})
+    pool = types.SimpleNamespace(dtype=torch.float8_e4m3fn, store_dtype=torch.uint8)
+    runner = types.SimpleNamespace(token_to_kv_pool=pool)
+    with pytest.raises(RuntimeError, match="pyramidkv compacts per layer.*KV cache is torch.float8_e4m3fn.*"
+                                           "pass --kv-cache-dtype bfloat16"):
+        controller.ensure_controller(runner)
+    assert STATE.scheduler.controller is None
 
 
 def test_retroinfer_decodes_eagerly_evicts_and_has_no_chains():

@@ -33,10 +33,13 @@ class EvictingRuntime(SparseMethodRuntime):
     def __init__(self, cache, oracle=None) -> None:
         super().__init__(cache, oracle)
         self.pending: list[str] = []
+        self.pending_decode: set[str] = set()  # pending ones planned at a decode token (stats only)
 
-    def schedule(self, rid: str) -> None:
+    def schedule(self, rid: str, decoding: bool = False) -> None:
         if rid not in self.pending:
             self.pending.append(rid)
+        if decoding:
+            self.pending_decode.add(rid)
 
     def schedule_over_budget(self, step, kept: int, slack: int, during_prefill: bool = False) -> None:
         """Online eviction's trigger (StreamingLLM, H2O, R-KV): plan a compaction for each
@@ -53,7 +56,9 @@ class EvictingRuntime(SparseMethodRuntime):
                 continue
             over = state.retained.n_rows - kept
             if over > 0 and (r.is_last_prompt_chunk or over >= slack):
-                self.schedule(r.rid)
+                # a decode token: one new position past the prompt (a retracted request's
+                # re-prefill and a prompt chunk are not)
+                self.schedule(r.rid, decoding=r.num_tokens == 1 and not r.is_prefill)
 
     def plan(self, rid: str) -> torch.Tensor | list[torch.Tensor] | KeptRows | None:
         raise NotImplementedError
@@ -68,7 +73,7 @@ class EvictingRuntime(SparseMethodRuntime):
         includes the plans' device work (their results are read on the host; the device is idle
         at the safe point, so nothing else is waited for) but not the KV moves, which run
         asynchronously (no synchronize on the serving path). The compactions of requests already
-        decoding (logical length past the prompt) are also counted apart,
+        decoding (planned at a decode token) are also counted apart,
         ``counters.decode_compactions`` and ``timings_us.compaction_decode``: prompt compressions
         and evictions between prompt chunks drop thousands of rows, a decode eviction ``interval``."""
         if not self.pending:
@@ -83,7 +88,7 @@ class EvictingRuntime(SparseMethodRuntime):
                 waiting.append(rid)
                 continue
             t = time.perf_counter()
-            decoding = state.retained.logical_len > state.prompt_len
+            decoding = rid in self.pending_decode
             keep = self.plan(rid)
             if isinstance(keep, KeptRows):
                 got = self.cache.compact_rows(rid, keep.rows)  # counted in cache.counters
@@ -94,6 +99,7 @@ class EvictingRuntime(SparseMethodRuntime):
                 self.bump("decode_compactions")
                 self.add_time("compaction_decode", time.perf_counter() - t)
         self.pending = waiting
+        self.pending_decode.intersection_update(waiting)
         if freed:
             self.add_time("compaction", time.perf_counter() - t0)
         return freed

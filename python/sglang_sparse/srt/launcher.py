@@ -332,11 +332,12 @@ def _kv_cache_dtype(config: dict, runtime, argv: list[str], given, log) -> list[
     given, refuse a conflicting one."""
     need = runtime.required_kv_cache_dtype(build_config(config["method"], config["options"]))
     if need is None:
-        given_fp8 = (given.kv_cache_dtype or "").startswith("fp8")
-        if given_fp8 and runtime.per_layer_rows:  # engine/flat_pool.py keeps SGLang's uint8 store
+        # fp8_*, mxfp8, nvfp4, ...: SGLang stores them as uint8 bytes (engine/flat_pool.py keeps that store)
+        quantized = given.kv_cache_dtype not in (None, "auto", "bf16", "bfloat16")
+        if quantized and runtime.per_layer_rows:
             raise ConfigError(f"--sparse-method {config['method']} packs each layer's kept rows into one flat "
-                              f"KV allocation, which has no fp8 form: --kv-cache-dtype {given.kv_cache_dtype} "
-                              f"is not supported with it; drop the flag")
+                              f"KV allocation read in the model dtype: --kv-cache-dtype {given.kv_cache_dtype} "
+                              f"is not supported with it; drop the flag (auto, bf16 and bfloat16 are allowed)")
         return argv
     if given.kv_cache_dtype is None:
         log(f"sglang_sparse: {config['method']} stores KV as {need}; added --kv-cache-dtype {need}")

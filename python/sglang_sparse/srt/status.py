@@ -145,7 +145,7 @@ def _chain_stats(index) -> dict:
 
 
 TP_FIELDS = ("kv_total_slots", "kv_free_slots", "logical_tokens", "retained_tokens", "running_requests", "steps")
-TP_COUNTERS = ("compactions", "slots_released", "rows_released", "evictions")
+TP_COUNTERS = ("compactions", "slots_released", "rows_released", "evictions", "decode_compactions")
 
 
 def tp_agreement(stats: dict | None) -> dict | None:

@@ -32,7 +32,8 @@ def check_rows(*tensors: torch.Tensor) -> None:
             raise ValueError(f"innermost dim must be contiguous, got strides {t.stride()}")
 
 
-FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                   if hasattr(torch, n))  # the fnuz pair: SGLang's fp8 on ROCm
 
 
 def kernel_keys(q: torch.Tensor, keys: torch.Tensor, q_name: str, k_name: str = "keys", slots=None):

@@ -27,6 +27,13 @@ def ensure_controller(model_runner) -> SparseController:
         config = activation.load_config()
         method = config.get("method", "dense")
         spec = get_method(method)
+        pool = model_runner.token_to_kv_pool
+        if spec.runtime_cls.per_layer_rows and getattr(pool, "store_dtype", pool.dtype) != pool.dtype:
+            # e.g. an fp8 checkpoint with --kv-cache-dtype auto: SGLang keeps fp8 KV as uint8 bytes, which
+            # the per-layer cells kernels would read as numbers (the launcher refuses the explicit flag)
+            raise RuntimeError(f"--sparse-method {method} compacts per layer and reads the KV cache as "
+                               f"{pool.store_dtype}, but this model's KV cache is {pool.dtype} (an fp8 checkpoint "
+                               "resolves --kv-cache-dtype auto to fp8): pass --kv-cache-dtype bfloat16")
         if spec.runtime_cls.per_layer_rows and st.flat_kv is None:
             raise RuntimeError(f"--sparse-method {method} compacts per layer and needs SGLang's plain token-major "
                                "KV layout (one allocation for all layers, engine/flat_pool.py)")
