@@ -13,6 +13,7 @@ import time
 import pytest
 import requests
 
+from conftest import sparse_stats as stats
 from conftest import start_server
 
 POOL, CHUNK, BUDGET, INTERVAL = 2048, 64, 48, 8
@@ -24,10 +25,6 @@ ARGS = ["--max-total-tokens", str(POOL), "--chunked-prefill-size", str(CHUNK), "
 @pytest.fixture(scope="module")
 def server(request, default_model_dir):
     return start_server(ARGS, request)
-
-
-def stats(server) -> dict:
-    return requests.get(server.base_url + "/sparse/stats", timeout=60).json()
 
 
 def test_h2o_evicts_on_an_fp8_pool_and_frees_what_it_evicts(server, default_model_dir):

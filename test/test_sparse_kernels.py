@@ -812,7 +812,7 @@ def test_gpu_snapkv_scores(dtype, length, w):
         assert torch.equal(R.snapkv_select(got, w, budget, 7), R.snapkv_select(want, w, budget, 7))
 
 
-def test_fp8_keys_are_converted_in_torch_where_triton_cannot():
+def test_fp8_keys_are_converted_in_torch_where_triton_cannot(monkeypatch):
     """Before sm_89 Triton has no in-kernel fp8 conversion: ``kernel_keys`` gathers the keys through
     the slots and converts them in torch (checked here with the capability test forced off)."""
     from sgl_kernel_sparse import triton_common as C
@@ -823,12 +823,8 @@ def test_fp8_keys_are_converted_in_torch_where_triton_cannot():
     slots = torch.tensor([7, 2, 19])
     keys, s = C.kernel_keys(q, pool_k, "q", "k", slots)
     assert keys is pool_k and s is slots  # the interpreter / sm_89+: converted in the kernel
-    orig = C.fp8_in_kernel
-    C.fp8_in_kernel = lambda device: False
-    try:
-        keys, s = C.kernel_keys(q, pool_k, "q", "k", slots)
-    finally:
-        C.fp8_in_kernel = orig
+    monkeypatch.setattr(C, "fp8_in_kernel", lambda device: False)
+    keys, s = C.kernel_keys(q, pool_k, "q", "k", slots)
     assert s is None and keys.dtype == torch.bfloat16
     assert torch.equal(keys, pool_k[slots].to(torch.bfloat16))
     with pytest.raises(ValueError, match="q torch.bfloat16 and k torch.float16 must share a dtype"):
