@@ -269,7 +269,7 @@ def case_interpreter_active(T):
                triton_cells._cells_partial_kernel, triton_omnikv._rows_tail_partial_kernel,
                triton_omnikv._token_logits_kernel,
                triton_quest._quest_scores_kernel, triton_quest._fold_decode_keys_kernel,
-               triton_select._select_top_kernel,
+               triton_select._select_top_kernel, triton_select._select_top_radix_kernel,
                triton_snapkv._snapkv_lse_kernel, triton_snapkv._snapkv_score_kernel,
                triton_compact._copy_rows_kernel]
     assert all(isinstance(k, InterpretedFunction) for k in kernels), "kernels are not interpreted"
@@ -332,6 +332,64 @@ def case_paged_bf16_page3(T):
 
 def case_paged_fp16_page16(T):
     _paged_case(T, torch.float16, 16, 22)
+
+
+def _aligned_table(n_req, ctx, page, g):
+    """Slot-table rows made of whole, aligned pool pages in random order (SGLang with
+    ``--page-size page``): row-page p of row r is pool page ``perm[r * P + p] + 1`` (page 0 spare)."""
+    n_pages = ctx // page
+    perm = torch.randperm(n_req * n_pages, generator=g).view(n_req, n_pages, 1) + 1
+    return (perm * page + torch.arange(page)).view(n_req, ctx).int()
+
+
+def case_paged_launch_variants_agree(T):
+    """Every launch option of the paged kernel gives the reference's output: the page ids of the
+    next tile loaded ahead (``prefetch``), one slot-table entry per page on an aligned table
+    (``aligned``), Triton loop pipelining (``num_stages``), split-K, on partial last pages, an
+    empty head and padding; and ``aligned`` on an aligned table equals the per-row lookup."""
+    page = 4
+    seq_lens = [5 * page + 1, 3 * page, 4 * page - 1]
+    q, k, v, _, req_rows, page_ids, seq = paged_inputs(3, 4, 2, 32, page, 3, torch.float32, 23, seq_lens)
+    g = torch.Generator().manual_seed(24)
+    ctx = (max(seq_lens) // page + 2) * page
+    r2t = _aligned_table(4, ctx, page, g)
+    k = torch.randn(int(r2t.max()) + page, 2, 32, generator=g)
+    v = torch.randn_like(k)
+    req_rows = torch.tensor([2, 0, 3])
+    want = R.paged_sparse_decode_attention(q, k, v, r2t, req_rows, page_ids, seq, page)
+    for prefetch in (False, True):
+        for aligned in (False, True):
+            for stages, splits, block_n in ((0, 1, 8), (2, 3, 4), (0, 2, 16)):
+                got = T.paged_sparse_decode_attention(q, k, v, r2t, req_rows, page_ids, seq, page,
+                                                      num_splits=splits, block_n=block_n, prefetch=prefetch,
+                                                      aligned=aligned, num_stages=stages, num_warps=2)
+                close(got, want, torch.float32, f"prefetch={prefetch} aligned={aligned} stages={stages} "
+                      f"splits={splits} block_n={block_n}")
+                assert (got[0, 1] == 0).all(), "head with no page must be zeros"
+
+
+def case_select_top_radix_equals_bits(T):
+    """``select_top(method="radix")`` (4 byte-wide histogram passes) gives the bitwise kernel's and
+    the stable sort's indices: ties across a whole byte, bf16-rounded scores, +inf, short rows
+    with fewer finite pages than k, all -inf rows, k of 1 and k past the row."""
+    g = torch.Generator().manual_seed(73)
+    s = torch.randn(5, 2100, generator=g)
+    s[1] = s[1].to(torch.bfloat16).float() * 1e-3  # many equal values, equal high bytes
+    s[2, 90:] = float("-inf")
+    s[2, 5] = float("inf")
+    s[3] = torch.randint(-3, 3, (2100,), generator=g).float()
+    s[4] = float("-inf")
+    for k in (1, 128, 200, 3000):
+        want = R.quest_select_pages(s.view(1, 5, -1), k).long()[0]
+        for method in ("bits", "radix"):
+            got = T.select_top(s, k, method=method)
+            assert torch.equal(got, want), (method, k)
+    try:
+        T.select_top(s, 4, method="heap")
+    except ValueError as exc:
+        assert "radix" in str(exc)
+    else:
+        raise AssertionError("an unknown method must be refused")
 
 
 def case_rows_tail_by_definition(T):
@@ -700,7 +758,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     assert kernels == {"_decode_partial_kernel", "_decode_reduce_kernel", "_rows_tail_partial_kernel",
                        "_token_logits_kernel",
                        "_quest_scores_kernel", "_fold_decode_keys_kernel", "_select_top_kernel",
-                       "_snapkv_lse_kernel", "_snapkv_score_kernel",
+                       "_select_top_radix_kernel", "_snapkv_lse_kernel", "_snapkv_score_kernel",
                        "_copy_rows_kernel"}
 
 
@@ -752,6 +810,47 @@ def test_gpu_paged_decode(dtype, page):
         got = T.paged_sparse_decode_attention(q, k, v, r2t, req_rows, page_ids, seq, page,
                                               num_splits=splits)
         close(got, want, dtype, f"splits={splits}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_paged_decode_launch_variants(dtype):
+    """Quest's served call (aligned 16-slot pages) under every option tune_quest_kernels.py
+    sweeps: prefetched page ids, Triton loop pipelining, block sizes, warps, split-K."""
+    from sgl_kernel_sparse import triton_ops as T
+
+    page, seq_lens = 16, [32000 + 5, 8000, 17 * 16 - 3, 4000 + 8]
+    q, _, _, _, _, page_ids, seq = paged_inputs(4, 32, 8, 128, page, 128, dtype, 260, seq_lens)
+    g = torch.Generator().manual_seed(261)
+    r2t = _aligned_table(5, (max(seq_lens) // page + 2) * page, page, g)
+    k = torch.randn(int(r2t.max()) + page, 8, 128, generator=g).to(dtype)
+    q, k, v, r2t, page_ids, seq = (t.cuda() for t in (q, k, torch.randn_like(k), r2t, page_ids, seq))
+    req_rows = torch.tensor([3, 0, 4, 1], device="cuda")
+    want = R.paged_sparse_decode_attention(q, k, v, r2t, req_rows, page_ids, seq, page)
+    for prefetch, stages in ((False, 0), (True, 0), (False, 2), (False, 3)):
+        for splits, block_n, warps in ((None, None, None), (1, 64, 8), (16, 16, 4), (64, 32, 8)):
+            got = T.paged_sparse_decode_attention(q, k, v, r2t, req_rows, page_ids, seq, page, aligned=True,
+                                                  prefetch=prefetch, num_stages=stages, num_splits=splits,
+                                                  block_n=block_n, num_warps=warps)
+            close(got, want, dtype, f"prefetch={prefetch} stages={stages} splits={splits} block_n={block_n}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["bits", "radix"])
+def test_gpu_select_top_methods(method):
+    """Both selection kernels at Quest's 128K shape (8,192 pages, 128 kept) and with ties,
+    compiled: the stable sort's indices, at each warp count and chunk tune_quest_kernels.py tries."""
+    from sgl_kernel_sparse import triton_ops as T
+
+    g = torch.Generator().manual_seed(262)
+    s = torch.randn(4 * 32, 8192, generator=g)
+    s[1] = s[1].to(torch.bfloat16).float()
+    s[2, 4000:] = float("-inf")
+    s[3] = torch.randint(-3, 3, (8192,), generator=g).float()
+    want = R.quest_select_pages(s.view(4, 32, -1), 128).long().cuda()
+    for warps, chunk in ((None, None), (8, 1024), (16, 4096), (32, 1024)):
+        got = T.select_top(s.view(4, 32, -1).cuda(), 128, method=method, num_warps=warps, chunk=chunk)
+        assert torch.equal(got, want), (warps, chunk)
 
 
 @pytest.mark.gpu

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
@@ -24,36 +22,16 @@ from sglang_sparse.kernels import quest_pages
 from sglang_sparse.kernels.decode import decode_over_pages, decode_over_rows_tail
 from sglang_sparse.methods.omnikv import select_from_logits
 from sglang_sparse.kernels import token_logits
+from tune_quest_kernels import make_timer, time_us  # this folder (the script's own)
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 
 
 def timed(fn, iters, graph=False):
-    if graph:  # capture once (after a warm-up on a side stream), then time replays
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        fn = g.replay
-    ts = []
-    if not torch.cuda.is_available():  # a CPU smoke run of the script (figures meaningless)
-        for _ in range(iters):
-            t = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t) * 1e6)
-        return statistics.median(ts)
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1000)
-    return statistics.median(ts)
+    """Median microseconds of ``fn`` (a CUDA-graph replay of it with ``graph``); on a CPU smoke
+    run of the script, eager wall time (figures meaningless)."""
+    cuda = torch.cuda.is_available()
+    return time_us(make_timer([fn], cuda) if graph else fn, iters, cuda)
 
 
 def main() -> None:

@@ -28,6 +28,12 @@
 #   kernels-quest128k  Quest's served decode kernels at 128K (fold, paged scores, select_top, paged decode),
 #                   and the attention-sums kernel at an H2O prompt chunk (15 s, 2026-12-05)
 #   kernels-quest128k-sweep  the paged attention at 128K over block_n x num_splits (choose its 128K default)
+#   tune-quest      issue 15: Quest's served decode stages at 128K, batch 4 / 1 / 2 (4 first: the 2.5x target), each timed as CUDA-graph
+#                   replays over 8 distinct layers for every launch option (scores: block_p x warps; selection:
+#                   bits / radix x warps x chunk; attention: splits x block_n x warps x prefetch / pipelining),
+#                   then the whole layer default vs tuned; writes $OUT/NVIDIA_H200.json (copy it to
+#                   sgl-kernel-sparse/python/sgl_kernel_sparse/configs/ and the server uses it) (~8 min, est.)
+#   tests-tuned-kernels  the paged kernel's launch variants and both selection kernels == references on the GPU
 #   capacity  8B shape, 32K in / 2K out: largest resident batch, dense vs SnapKV(2048)   ~7 min
 #   capacity393k  the same at a 393,216-token pool: SnapKV (batch 89), then dense over 16/32 splits ~9.5 min
 #   capacity-eviction  R-KV, SnapKV and dense (16 splits) at a 98,304-token pool               ~6 min
@@ -48,6 +54,8 @@
 #   matched128k-dense   8B shape, 128K, batch 1 2 4: dense tuned over 32 / 64 kv splits  ~9 min
 #   matched128k-sparse  the same prompts: Quest(2048) and OmniKV(2048)                   ~9 min
 #   matched128k-quest   the same, dense and Quest(2048) in one call, both at 64 kv splits   ~9 min
+#                   (with a committed configs/NVIDIA_H200.json from tune-quest, Quest runs its tuned kernels)
+#   matched128k-omnikv  the same for OmniKV(2048): dense and OmniKV in one call, both at 64 kv splits
 #   matched128k-compile-dense / -quest  the same with --enable-torch-compile, one server per call
 #   matched128k-compile-quest-b1  compiled Quest at batch 1 only (its 1/2/4 graph capture outran 420 s)
 #   matched128k-compile-quest-b4  compiled Quest at batch 4 only (one capture size), for issue 15's 2.5x (~7 min, est.)
@@ -132,6 +140,12 @@ for stage in "$@"; do
     kernels-quest128k)  # issue 15: Quest's served decode kernels one by one at 128K, batch 1 / 4, and attn_sums (15 s, 2026-12-05)
       timeout 200 python3 sgl-kernel-sparse/bench/bench_kernels.py --only quest128k attn_sums \
         --out "$OUT/kernels_quest128k.json" 2>&1 | tee "$OUT/$stage.txt" ;;
+    tune-quest)  # issue 15: choose the launch options of Quest's decode kernels (see the list above)
+      timeout 580 python3 benchmark/gpu/tune_quest_kernels.py --batch 4 1 2 --ctx 131072 --budget 2048 \
+        --time-limit 400 --out "$OUT/quest_tuning_128k.json" --write-config "$OUT/NVIDIA_H200.json" \
+        2>&1 | tee "$OUT/$stage.txt" ;;
+    tests-tuned-kernels)
+      gpu_tests "$stage" test/test_sparse_kernels.py -k "launch_variants or select_top_methods or paged_decode" ;;
     kernels-quest128k-sweep)  # issue 15: the paged attention at 128K over block_n 32/64/128 x splits 4/8/16/32
       # (its default is not tuned for 128K; an ad hoc sweep, 2026-12-05, moved 2x between repeats: each case here
       # is the median of --iters calls with L2 flushed), then the four served kernels again
@@ -157,6 +171,11 @@ for stage in "$@"; do
       python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 131072 --output-len 64 \
         --batches 1 2 4 --pool 540672 --methods dense quest --tune dense quest --kv-splits 64 \
         --out long_matched_128k_quest.json -- --cuda-graph-bs-decode 1 2 4 2>&1 | tee "$OUT/$stage.txt" ;;
+    matched128k-omnikv)  # issue 15: OmniKV next to dense, both at 64 kv splits (OmniKV's five dense layers
+      # too), one run; its last figures (0.95x / 1.24x / 1.44x) paid its dense layers at 8 splits (~9 min, est.)
+      python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 131072 --output-len 64 \
+        --batches 1 2 4 --pool 540672 --methods dense omnikv --tune dense omnikv --kv-splits 64 \
+        --out long_matched_128k_omnikv.json -- --cuda-graph-bs-decode 1 2 4 2>&1 | tee "$OUT/$stage.txt" ;;
     capacity393k)  # issue 15's pool: SnapKV first (its 89 prompts prefill for ~5 min), then dense
       timeout 560 python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 393216 \
         --prompt-len 32768 --output-len 2048 --methods snapkv dense --tune dense --kv-splits 16 32 \

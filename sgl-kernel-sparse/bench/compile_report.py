@@ -122,6 +122,12 @@ def _exercise(dtypes) -> None:
         T.sparse_decode_attention(q, kc, kc, r2t, req, rows, valid, num_splits=4)
         pages = torch.zeros(b, hq, 32, dtype=torch.int32)
         T.paged_sparse_decode_attention(q, kc, kc, r2t, req, pages, req + 500, 16, num_splits=4)
+        # the launch options tune_quest_kernels.py sweeps (Quest's served call passes aligned=True)
+        T.paged_sparse_decode_attention(q, kc, kc, r2t, req, pages, req + 500, 16, num_splits=4, aligned=True)
+        T.paged_sparse_decode_attention(q, kc, kc, r2t, req, pages, req + 500, 16, num_splits=4, aligned=True,
+                                        prefetch=True)
+        T.paged_sparse_decode_attention(q, kc, kc, r2t, req, pages, req + 500, 16, num_splits=4, aligned=True,
+                                        num_stages=3)
         T.snapkv_window_scores(torch.zeros(32, hq, d, dtype=dt), kc)
         T.snapkv_window_scores(torch.zeros(32, hq, d, dtype=dt), kc, slots=torch.arange(100))
         T.compact_kv(kc, kc, torch.zeros(hkv, 100, dtype=torch.int64), torch.arange(100))
@@ -135,6 +141,7 @@ def _exercise(dtypes) -> None:
         T.quest_fold_decode_keys(pk, pk, torch.zeros(b, hkv, d, dtype=dt), req.long() * 16, 16)
     for p in (1024, 8704):  # Quest's pages at 16K and 136K tokens of context, 128 kept
         T.select_top(torch.zeros(b, hq, p), 128)
+        T.select_top(torch.zeros(b, hq, p), 128, method="radix")
     if torch.float16 in dtypes:  # fp32 summaries, fp16 queries
         kmin = torch.zeros(b, 64, hkv, d, dtype=torch.float32)
         T.quest_page_scores(torch.zeros(b, hq, d, dtype=torch.float16), kmin, kmin, req + 10)

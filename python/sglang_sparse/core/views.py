@@ -33,12 +33,15 @@ class PagedDecodeView:
 
     ``page_ids`` ``[B, H_q, n]`` int: row-page indices (page ``p`` = rows ``[p*page_size,
     (p+1)*page_size)`` of the request's slot table), ``-1`` = padding; rows ``>= n_rows[b]`` (a
-    partial last page) are not read.
+    partial last page) are not read. ``aligned``: the method promises that each row-page is one
+    whole, aligned pool page (the engine allocates KV in pages of ``page_size``, as for Quest), so
+    a kernel may read one slot-table entry per page and add the offset inside it.
     """
 
     page_ids: torch.Tensor
     page_size: int
     n_rows: torch.Tensor
+    aligned: bool = False
 
 
 @dataclass(frozen=True)

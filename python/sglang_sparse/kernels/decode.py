@@ -40,12 +40,15 @@ def decode_over_views(q, k_cache, v_cache, req_to_token, req_rows: list[int], ro
     return sgl_kernel_sparse.sparse_decode_attention(q, k_cache, v_cache, req_to_token, req, r, v, scale)
 
 
-def decode_over_pages(q, k_cache, v_cache, table, req_rows, page_ids, n_rows, page: int, scale: float):
+def decode_over_pages(q, k_cache, v_cache, table, req_rows, page_ids, n_rows, page: int, scale: float,
+                      aligned: bool = False):
     """q ``[B, Hq, D]``; page_ids ``[B, Hq, P]`` row-pages (``-1`` padding); rows ``>= n_rows[b]``
-    masked. The kernel package dispatches itself (Triton on CUDA, no host sync, so CUDA graphs
-    capture it; its plain-torch reference elsewhere)."""
+    masked. ``aligned``: each row-page is one whole pool page (``PagedDecodeView.aligned``), so
+    the Triton kernel reads one slot-table entry per page. The kernel package dispatches itself
+    (Triton on CUDA, no host sync, so CUDA graphs capture it; its plain-torch reference
+    elsewhere, which reads every row's slot either way)."""
     return sgl_kernel_sparse.paged_sparse_decode_attention(
-        q, k_cache, v_cache, table, req_rows.long(), page_ids, n_rows, page, scale)
+        q, k_cache, v_cache, table, req_rows.long(), page_ids, n_rows, page, scale, aligned=aligned)
 
 
 def decode_over_cells(q, flat_k, flat_v, table, req_rows, n_rows, tables, layer: int, scale: float):

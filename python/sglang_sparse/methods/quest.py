@@ -88,7 +88,10 @@ class QuestRuntime(SparseMethodRuntime):
         kmin, kmax = self._pages(batch.layer_id, batch.k_cache)
         quest_pages.add_decode_keys(kmin, kmax, batch.k, batch.slots, ps)
         scores = quest_pages.page_scores(batch.q, kmin, kmax, batch.table, batch.req_rows, batch.n_rows, ps)
-        return PagedDecodeView(quest_pages.top_pages(scores, self.config.pages_per_head), ps, batch.n_rows)
+        # aligned: SGLang runs with --page-size page_size (required_page_size), so row-page p is
+        # one whole pool page (the summaries rely on this too)
+        return PagedDecodeView(quest_pages.top_pages(scores, self.config.pages_per_head), ps, batch.n_rows,
+                               aligned=True)
 
     def finish_step(self, step: StepInfo) -> None:
         """Count pages read and available per query head, host-side (a replayed graph cannot):

@@ -17,29 +17,43 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tuning
 from .triton_common import check_device, check_gqa, check_rows, check_table, num_sms, pow2
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_tile(K, V, rows, ok, q, kvh, d, dmask, s_k, s_kh, s_v, s_vh, m_i, l_i, acc):
-    """One tile of one query head's online softmax (fp32, base-2 logits: ``q`` carries the
-    softmax scale times log2 e): keys and values of KV head ``kvh`` at the pool rows ``rows``
-    (``[BLOCK_N]``, ``ok`` marks the valid ones). Returns the updated ``(m_i, l_i, acc)``.
-    Shared by every per-head decode kernel of the package (sparse, paged, FP8, cells)."""
+def _load_tile(K, V, rows, ok, kvh, d, dmask, s_k, s_kh, s_v, s_vh):
+    """Keys and values of KV head ``kvh`` at the pool rows ``rows`` (``[BLOCK_N]``, ``ok`` marks
+    the valid ones): both loads are issued before either is used."""
     tile_mask = ok[:, None] & dmask[None, :]
     k = tl.load(K + rows[:, None] * s_k + kvh * s_kh + d[None, :], mask=tile_mask, other=0.0)
+    v = tl.load(V + rows[:, None] * s_v + kvh * s_vh + d[None, :], mask=tile_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _softmax_tile(k, v, ok, q, m_i, l_i, acc):
+    """One tile of one query head's online softmax (fp32, base-2 logits: ``q`` carries the
+    softmax scale times log2 e) over loaded keys / values. Returns the updated ``(m_i, l_i, acc)``."""
     logit = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
     logit = tl.where(ok, logit, -float("inf"))
     m_new = tl.maximum(m_i, tl.max(logit, axis=0))
     m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet: avoid inf-inf
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(logit - m_ref)
-    v = tl.load(V + rows[:, None] * s_v + kvh * s_vh + d[None, :], mask=tile_mask, other=0.0)
     acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
     l_i = l_i * alpha + tl.sum(p, axis=0)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_tile(K, V, rows, ok, q, kvh, d, dmask, s_k, s_kh, s_v, s_vh, m_i, l_i, acc):
+    """``_load_tile`` then ``_softmax_tile``. Shared by every per-head decode kernel of the
+    package (sparse, paged, FP8, cells)."""
+    k, v = _load_tile(K, V, rows, ok, kvh, d, dmask, s_k, s_kh, s_v, s_vh)
+    return _softmax_tile(k, v, ok, q, m_i, l_i, acc)
 
 
 @triton.jit
@@ -58,6 +72,24 @@ def _store_head(OUT, O_PART, LSE_PART, o, m_i, l_i, b, h, s, d, dmask, s_ob, s_o
 
 
 @triton.jit
+def _paged_slots(IDX, REQ_TO_TOKEN, n, stop, req, seq_len, b, h, s_ib, s_ih, s_in, s_rt,
+                 PAGE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Pool slots of selection entries ``n`` (paged mode) and which are valid. ALIGNED: every
+    selected page is one whole pool page (SGLang with ``--page-size PAGE``, as Quest runs), so
+    the slot is the page's first slot + ``n % PAGE``: one table entry per page, not per token."""
+    live = n < stop
+    pid = tl.load(IDX + b * s_ib + h * s_ih + (n // PAGE) * s_in, mask=live, other=-1)
+    pos = pid * PAGE + n % PAGE  # positions fit int32
+    ok = live & (pid >= 0) & (pos < seq_len)
+    if ALIGNED:
+        first = tl.load(REQ_TO_TOKEN + req * s_rt + pid * PAGE, mask=ok, other=0).to(tl.int64)
+        slot = first + n % PAGE
+    else:
+        slot = tl.load(REQ_TO_TOKEN + req * s_rt + pos, mask=ok, other=0).to(tl.int64)
+    return slot, ok
+
+
+@triton.jit
 def _decode_partial_kernel(
     Q, K, V, REQ_TO_TOKEN, REQ_ROWS, IDX, VALID, SEQ_LENS, OUT, O_PART, LSE_PART,
     qk_scale, N, chunk,
@@ -65,7 +97,12 @@ def _decode_partial_kernel(
     s_ib, s_ih, s_in, s_mb, s_mh, s_mn, s_ob, s_oh,
     GROUP: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREFETCH: tl.constexpr = False, ALIGNED: tl.constexpr = False, NUM_STAGES: tl.constexpr = 0,
 ):
+    """PREFETCH (paged mode): the next tile's page ids are loaded before this tile's keys and
+    values, and its slots resolved while they are in flight, so a tile waits on one load chain
+    instead of three (ids -> table -> KV). NUM_STAGES > 0: Triton's loop pipelining at that depth
+    (``tl.range(num_stages=)``); 0 a plain loop."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -75,6 +112,7 @@ def _decode_partial_kernel(
     dmask = d < D
     # qk_scale = softmax scale * log2(e): logits are in base 2, exp2 below
     q = (tl.load(Q + b * s_qb + h * s_qh + d, mask=dmask, other=0.0).to(tl.float32) * qk_scale).to(tl.float32)
+    seq_len = 0
     if PAGED:
         seq_len = tl.load(SEQ_LENS + b)
 
@@ -83,18 +121,27 @@ def _decode_partial_kernel(
     m_i = -float("inf")
     l_i = 0.0
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for n0 in range(start, stop, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        live = n < stop
-        if PAGED:
-            pid = tl.load(IDX + b * s_ib + h * s_ih + (n // PAGE) * s_in, mask=live, other=-1)
-            pos = pid * PAGE + n % PAGE  # positions fit int32
-            ok = live & (pid >= 0) & (pos < seq_len)
-        else:
-            pos = tl.load(IDX + b * s_ib + h * s_ih + n * s_in, mask=live, other=0).to(tl.int64)
-            ok = live & (tl.load(VALID + b * s_mb + h * s_mh + n * s_mn, mask=live, other=0) != 0)
-        slot = tl.load(REQ_TO_TOKEN + req * s_rt + pos, mask=ok, other=0).to(tl.int64)
-        m_i, l_i, acc = _attend_tile(K, V, slot, ok, q, kvh, d, dmask, s_ks, s_kh, s_vs, s_vh, m_i, l_i, acc)
+    if PAGED and PREFETCH:
+        slot, ok = _paged_slots(IDX, REQ_TO_TOKEN, start + tl.arange(0, BLOCK_N), stop, req, seq_len, b, h,
+                                s_ib, s_ih, s_in, s_rt, PAGE, ALIGNED)
+        for n0 in range(start, stop, BLOCK_N):
+            k, v = _load_tile(K, V, slot, ok, kvh, d, dmask, s_ks, s_kh, s_vs, s_vh)
+            cur_ok = ok
+            slot, ok = _paged_slots(IDX, REQ_TO_TOKEN, n0 + BLOCK_N + tl.arange(0, BLOCK_N), stop, req, seq_len,
+                                    b, h, s_ib, s_ih, s_in, s_rt, PAGE, ALIGNED)
+            m_i, l_i, acc = _softmax_tile(k, v, cur_ok, q, m_i, l_i, acc)
+    else:
+        for n0 in tl.range(start, stop, BLOCK_N, num_stages=NUM_STAGES if NUM_STAGES > 0 else None):
+            n = n0 + tl.arange(0, BLOCK_N)
+            if PAGED:
+                slot, ok = _paged_slots(IDX, REQ_TO_TOKEN, n, stop, req, seq_len, b, h, s_ib, s_ih, s_in, s_rt,
+                                        PAGE, ALIGNED)
+            else:
+                live = n < stop
+                pos = tl.load(IDX + b * s_ib + h * s_ih + n * s_in, mask=live, other=0).to(tl.int64)
+                ok = live & (tl.load(VALID + b * s_mb + h * s_mh + n * s_mn, mask=live, other=0) != 0)
+                slot = tl.load(REQ_TO_TOKEN + req * s_rt + pos, mask=ok, other=0).to(tl.int64)
+            m_i, l_i, acc = _attend_tile(K, V, slot, ok, q, kvh, d, dmask, s_ks, s_kh, s_vs, s_vh, m_i, l_i, acc)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)  # a head (or split) with no valid entry: acc = 0 -> zeros
     _store_head(OUT, O_PART, LSE_PART, o, m_i, l_i, b, h, s, d, dmask, s_ob, s_oh, D, SPLIT)
@@ -159,7 +206,7 @@ def plan_splits(programs, n_total, d, device, block_n=None, num_splits=None):
 
 
 def _launch(q, k_cache, v_cache, req_to_token, req_rows, idx, valid, seq_lens, page, paged,
-            n_total, scale, num_splits, block_n):
+            n_total, scale, num_splits, block_n, num_warps=None, prefetch=False, aligned=False, num_stages=0):
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     check_gqa(hq, hkv)
@@ -188,7 +235,8 @@ def _launch(q, k_cache, v_cache, req_to_token, req_rows, idx, valid, seq_lens, p
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
         idx.stride(0), idx.stride(1), idx.stride(2), *vstr, out.stride(0), out.stride(1),
         GROUP=hq // hkv, PAGE=page, PAGED=paged, SPLIT=split,
-        D=d, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4,
+        D=d, BLOCK_D=block_d, BLOCK_N=block_n, PREFETCH=bool(prefetch and paged),
+        ALIGNED=bool(aligned and paged), NUM_STAGES=int(num_stages or 0), num_warps=int(num_warps or 4),
     )
     return merge_splits(o_part, lse_part, out, num_splits)
 
@@ -204,11 +252,21 @@ def sparse_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, rows, v
 
 
 def paged_sparse_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, page_ids,
-                                  seq_lens, page, scale=None, num_splits=None, block_n=None):
+                                  seq_lens, page, scale=None, num_splits=None, block_n=None,
+                                  num_warps=None, prefetch=None, aligned=False, num_stages=None):
     """Triton version of ``reference.paged_sparse_decode_attention`` (page_ids ``[B, Hq, P]``,
-    ``-1`` = padding; positions ``>= seq_lens[b]`` masked)."""
+    ``-1`` = padding; positions ``>= seq_lens[b]`` masked).
+
+    ``aligned=True`` promises that every row-page is one whole, aligned pool page (the engine
+    allocates KV in pages of ``page`` slots, as Quest runs SGLang): the kernel then reads one
+    table entry per page. Launch options left ``None`` (``num_splits``, ``block_n``,
+    ``num_warps``, ``prefetch``, ``num_stages``) come from the device's tuning table
+    (``tuning.py``), else the built-in heuristics."""
     if page_ids.shape[:2] != q.shape[:2]:
         raise ValueError(f"page_ids {tuple(page_ids.shape)} vs q {tuple(q.shape)}")
     check_device(seq_lens)
+    cfg = tuning.fill("paged_sparse_decode_attention", q.shape[0], q.device, num_splits=num_splits,
+                      block_n=block_n, num_warps=num_warps, prefetch=prefetch, num_stages=num_stages)
     return _launch(q, k_cache, v_cache, req_to_token, req_rows, page_ids, None, seq_lens,
-                   int(page), True, page_ids.shape[2] * int(page), scale, num_splits, block_n)
+                   int(page), True, page_ids.shape[2] * int(page), scale, cfg["num_splits"], cfg["block_n"],
+                   cfg["num_warps"], cfg["prefetch"], aligned, cfg["num_stages"])

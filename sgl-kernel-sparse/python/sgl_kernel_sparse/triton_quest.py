@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tuning
 from .triton_common import check_device, check_gqa, check_rows, check_table, pow2
 
 
@@ -85,9 +86,11 @@ def quest_page_scores(q, kmin, kmax, n_pages, summary_rows=None, block_p=None):
     return out
 
 
-def quest_page_scores_paged(q, kmin, kmax, req_to_token, req_rows, n_pages, page, block_p=None):
+def quest_page_scores_paged(q, kmin, kmax, req_to_token, req_rows, n_pages, page, block_p=None, num_warps=None):
     """Triton version of ``reference.quest_page_scores_paged``: fp32 ``[B, Hq, P]``,
-    ``P = ceil(req_to_token.shape[1] / page)``. No host sync (CUDA-graph safe)."""
+    ``P = ceil(req_to_token.shape[1] / page)``. No host sync (CUDA-graph safe). ``block_p`` /
+    ``num_warps`` left ``None`` come from the device's tuning table (``tuning.py``), else
+    ~4K summary elements per tile and 4 warps."""
     b, hq, d = q.shape
     hkv = kmin.shape[1]
     check_gqa(hq, hkv)
@@ -98,13 +101,14 @@ def quest_page_scores_paged(q, kmin, kmax, req_to_token, req_rows, n_pages, page
     if b == 0 or p_max == 0:
         return out
     block_d = pow2(d, 16)
-    if block_p is None:
-        block_p = max(8, min(64, 4096 // block_d))
+    cfg = tuning.fill("quest_page_scores_paged", b, q.device, block_p=block_p, num_warps=num_warps)
+    block_p = pow2(cfg["block_p"]) if cfg["block_p"] else max(8, min(64, 4096 // block_d))
     _quest_scores_kernel[(b, hkv, triton.cdiv(p_max, block_p))](
         q, kmin, kmax, req_rows, n_pages, out, p_max, req_to_token,
         q.stride(0), q.stride(1), 0, kmin.stride(0), kmin.stride(1),
         0, kmax.stride(0), kmax.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0),
-        GROUP=hq // hkv, D=d, BLOCK_D=block_d, BLOCK_P=block_p, PAGE=int(page), PAGED=True, num_warps=4,
+        GROUP=hq // hkv, D=d, BLOCK_D=block_d, BLOCK_P=block_p, PAGE=int(page), PAGED=True,
+        num_warps=int(cfg["num_warps"] or 4),
     )
     return out
 

@@ -5,12 +5,14 @@ row of ``scores [..., P]`` (fp32), the indices of the ``k`` largest finite entri
 order, ties to the lower index, ``-1`` padding at the end where fewer than ``k`` are finite.
 
 How: the row sits in registers; each fp32 is mapped to an int32 with the same order (negative
-floats get their 31 magnitude bits flipped). The k-th largest key ``T`` is found bit by bit from
-the top (32 counting passes over the row, in an unsigned view of the keys): the largest ``T``
-with ``count(key >= T) >= k``. Then, in a second pass over chunks of the row, every key ``> T`` is
-taken, and of the keys ``== T`` the first ``k - count(key > T)`` in index order (a running prefix
-sum); a second running prefix sum gives each taken index its output position. ``torch.topk`` on the same rows is a sort-based kernel several times slower
-at Quest's shapes (8K pages, k = 128), and does not guarantee the tie rule.
+floats get their 31 magnitude bits flipped). The k-th largest key ``T``, i.e. the largest ``T``
+with ``count(key >= T) >= k``, is found in an unsigned view of the keys either bit by bit from
+the top (``method="bits"``: 32 counting passes over the row) or a byte at a time
+(``method="radix"``: 4 histogram passes). Then, in a second pass over chunks of the row, every
+key ``> T`` is taken, and of the keys ``== T`` the first ``k - count(key > T)`` in index order (a
+running prefix sum); a second running prefix sum gives each taken index its output position.
+``torch.topk`` on the same rows is a sort-based kernel several times slower at Quest's shapes
+(8K pages, k = 128), and does not guarantee the tie rule.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tuning
 from .triton_common import check_device, pow2
 
 
@@ -32,19 +35,10 @@ def _keys(S, r, s_s, i, P):
 
 
 @triton.jit
-def _select_top_kernel(S, OUT, P, K, s_s, s_o, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
-    key, valid = _keys(S, r, s_s, tl.arange(0, BLOCK), P)
-    # T in the unsigned view u = key + 2^31, built from the top bit down
-    t_u = tl.zeros((), dtype=tl.int64)
-    for bit in tl.static_range(31, -1, -1):
-        cand = t_u | (1 << bit)
-        n = tl.sum((valid & (key >= (cand - 2147483648).to(tl.int32))).to(tl.int32), axis=0)
-        t_u = tl.where(n >= K, cand, t_u)
-    t = (t_u - 2147483648).to(tl.int32)
-    room = K - tl.sum((valid & (key > t)).to(tl.int32), axis=0)  # ties that fit, lowest index first
-    # second pass in chunks (the whole row's prefix sums would not fit in registers)
+def _take_top(S, OUT, r, P, K, s_s, s_o, t, room, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Write row r's taken indices in ascending order: every key ``> t``, and of the keys ``== t``
+    the first ``room`` in index order; ``-1`` after the last taken up to ``K``."""
+    # in chunks (the whole row's prefix sums would not fit in registers)
     ties = tl.zeros((), dtype=tl.int32)
     taken = tl.zeros((), dtype=tl.int32)
     for c in range(0, P, CHUNK):
@@ -60,8 +54,67 @@ def _select_top_kernel(S, OUT, P, K, s_s, s_o, BLOCK: tl.constexpr, CHUNK: tl.co
     tl.store(OUT + r * s_o + j, tl.full((BLOCK_K,), -1, tl.int64), mask=(j >= taken) & (j < K))
 
 
-def select_top(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """int64 ``[..., min(k, P)]``: see the module docstring. ``scores`` fp32, last dim contiguous."""
+@triton.jit
+def _select_top_kernel(S, OUT, P, K, s_s, s_o, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """Threshold bit by bit: 32 counting passes over the row."""
+    r = tl.program_id(0).to(tl.int64)
+    key, valid = _keys(S, r, s_s, tl.arange(0, BLOCK), P)
+    # T in the unsigned view u = key + 2^31, built from the top bit down
+    t_u = tl.zeros((), dtype=tl.int64)
+    for bit in tl.static_range(31, -1, -1):
+        cand = t_u | (1 << bit)
+        n = tl.sum((valid & (key >= (cand - 2147483648).to(tl.int32))).to(tl.int32), axis=0)
+        t_u = tl.where(n >= K, cand, t_u)
+    t = (t_u - 2147483648).to(tl.int32)
+    room = K - tl.sum((valid & (key > t)).to(tl.int32), axis=0)  # ties that fit, lowest index first
+    _take_top(S, OUT, r, P, K, s_s, s_o, t, room, CHUNK, BLOCK_K)
+
+
+@triton.jit
+def _select_top_radix_kernel(S, OUT, P, K, s_s, s_o, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
+    """Threshold a byte at a time: 4 histogram passes (radix select) instead of 32 counts.
+
+    In the unsigned view ``u`` (sign bit flipped: unsigned order = the floats' order), pass p
+    fixes byte ``3 - p`` of T: among the keys whose higher bytes equal T's so far, the 256-bin
+    histogram of this byte gives ``ge[d]`` = how many have a byte ``>= d``; T's byte is the
+    largest d with ``ge[d] >= need``, and ``need`` drops by the count strictly above it. Keys of
+    other prefixes go to bins 256-511, which are ignored. Fewer than K finite keys: no byte
+    qualifies in any pass, T = 0 (unsigned), as in the bitwise kernel."""
+    r = tl.program_id(0).to(tl.int64)
+    key, valid = _keys(S, r, s_s, tl.arange(0, BLOCK), P)
+    u = (key ^ -2147483648).to(tl.uint32, bitcast=True)
+    bins = tl.arange(0, 512)
+    low = bins < 256
+    prefix = tl.zeros((), dtype=tl.uint32)
+    need = K
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p
+        if p == 0:
+            match = valid
+        else:
+            match = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))  # the bytes fixed so far
+        digit = ((u >> shift) & 0xFF).to(tl.int32)
+        hist = tl.histogram(tl.where(match, digit, digit + 256), 512)
+        hist = tl.where(low, hist, 0)
+        ge = tl.cumsum(hist, axis=0, reverse=True)
+        byte = tl.max(tl.where(low & (ge >= need), bins, 0), axis=0)
+        need = need - tl.sum(tl.where(bins > byte, hist, 0), axis=0)
+        prefix = prefix | (byte.to(tl.uint32) << shift)
+    t = (prefix.to(tl.int32, bitcast=True)) ^ -2147483648
+    room = K - tl.sum((valid & (key > t)).to(tl.int32), axis=0)  # ties that fit, lowest index first
+    _take_top(S, OUT, r, P, K, s_s, s_o, t, room, CHUNK, BLOCK_K)
+
+
+_KERNELS = {"bits": _select_top_kernel, "radix": _select_top_radix_kernel}
+
+
+def select_top(scores: torch.Tensor, k: int, method=None, num_warps=None, chunk=None) -> torch.Tensor:
+    """int64 ``[..., min(k, P)]``: see the module docstring. ``scores`` fp32, last dim contiguous.
+    ``method``: ``"bits"`` (32 counting passes, the default) or ``"radix"`` (4 histogram passes);
+    the same indices either way. Options left ``None`` come from the device's tuning table
+    (``tuning.py``, keyed by ``scores.shape[0]``), else the defaults."""
     check_device(scores)
     p = scores.shape[-1]
     k = min(int(k), p)
@@ -70,10 +123,15 @@ def select_top(scores: torch.Tensor, k: int) -> torch.Tensor:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], k, dtype=torch.int64, device=scores.device)
     if rows.shape[0] and k:
+        cfg = tuning.fill("select_top", scores.shape[0] if scores.dim() > 1 else 1, scores.device,
+                          method=method, num_warps=num_warps, chunk=chunk)
+        kernel = _KERNELS.get(cfg["method"] or "bits")
+        if kernel is None:
+            raise ValueError(f"select_top method {cfg['method']!r}: allowed {sorted(_KERNELS)}")
         block = pow2(p, 16)
-        _select_top_kernel[(rows.shape[0],)](
-            rows, out, p, k, rows.stride(0), out.stride(0), BLOCK=block, CHUNK=min(block, 1024),
-            BLOCK_K=pow2(k, 16),
-            num_warps=max(4, min(16, block // 512)),
+        kernel[(rows.shape[0],)](
+            rows, out, p, k, rows.stride(0), out.stride(0), BLOCK=block,
+            CHUNK=min(block, pow2(cfg["chunk"] or 1024, 16)), BLOCK_K=pow2(k, 16),
+            num_warps=int(cfg["num_warps"] or max(4, min(16, block // 512))),
         )
     return out.view(*scores.shape[:-1], k)

@@ -1,0 +1,90 @@
+"""Kernel launch tuning: ``sgl_kernel_sparse.tuning`` (per-device tables the wrappers consult for
+options their caller left ``None``) and ``benchmark/gpu/tune_quest_kernels.py`` (the sweep that
+writes them), the latter as a CPU smoke run under the Triton interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sgl_kernel_sparse import tuning
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch):
+    path = tmp_path / "t.json"
+    monkeypatch.setenv(tuning.ENV, str(path))
+    tuning.clear_cache()
+    yield path
+    tuning.clear_cache()
+
+
+def test_lookup_takes_the_largest_batch_key_not_above_the_batch(table):
+    table.write_text(json.dumps({"_meta": {"device": "x"},
+                                 "k": {"1": {"a": 1}, "4": {"a": 4}, "16": {"a": 16, "b": 2}}}))
+    cpu = torch.device("cpu")
+    assert [tuning.lookup("k", b, cpu).get("a") for b in (1, 2, 3, 4, 8, 16, 64)] == [1, 1, 1, 4, 4, 16, 16]
+    assert tuning.lookup("k", 0, cpu) == {} and tuning.lookup("other", 4, cpu) == {}
+    # an explicit argument wins; None takes the table's value; keys the table lacks stay None
+    assert tuning.fill("k", 16, cpu, a=None, b=7, c=None) == {"a": 16, "b": 7, "c": None}
+
+
+def test_no_file_a_broken_file_and_none_keep_the_heuristics(table, monkeypatch):
+    cpu = torch.device("cpu")
+    assert tuning.lookup("k", 4, cpu) == {}  # the named file does not exist
+    table.write_text("{not json")
+    tuning.clear_cache()
+    with pytest.warns(UserWarning, match="ignoring kernel tuning file"):
+        assert tuning.lookup("k", 4, cpu) == {}
+    table.write_text(json.dumps({"k": {"1": {"a": 1}}}))
+    monkeypatch.setenv(tuning.ENV, "none")
+    tuning.clear_cache()
+    assert tuning.lookup("k", 4, cpu) == {}
+    assert tuning.config_name("NVIDIA H200") == "NVIDIA_H200.json"
+
+
+def test_a_table_reaches_the_kernel_wrappers_and_explicit_options_win(table):
+    """select_top reads its method from the table: an unknown one is refused by name, an
+    explicit ``method=`` overrides it (the check runs before any kernel launch)."""
+    from sgl_kernel_sparse import triton_select
+
+    table.write_text(json.dumps({"select_top": {"1": {"method": "heap"}}}))
+    orig = triton_select.check_device
+    triton_select.check_device = lambda *t: None  # CPU tensors, no interpreter needed for the refusal
+    try:
+        with pytest.raises(ValueError, match="radix"):
+            triton_select.select_top(torch.zeros(2, 8), 2)
+    finally:
+        triton_select.check_device = orig
+
+
+def test_tune_quest_kernels_smoke_run_writes_results_and_a_table(tmp_path):
+    """The GPU tuning script on tiny shapes under the Triton interpreter: every stage swept, every
+    config agrees with the default, the best per stage written in the tuning table's format."""
+    out, cfg = tmp_path / "sweep.json", tmp_path / "table.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "sgl-kernel-sparse" / "python"), str(ROOT / "python"),
+                                         env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, str(ROOT / "benchmark" / "gpu" / "tune_quest_kernels.py"), "--quick",
+                          "--batch", "1", "--ctx", "256", "--budget", "48", "--layers", "1", "--rounds", "1",
+                          "--reps", "1", "--out", str(out), "--write-config", str(cfg)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    result = json.loads(out.read_text())
+    stages = result["batches"]["1"]["stages"]
+    assert set(stages) == {"quest_page_scores_paged", "select_top", "paged_sparse_decode_attention"}
+    for rows in stages.values():
+        assert len(rows) >= 2 and all(r["ok"] for r in rows), rows
+        assert all(r["us"] > 0 for r in rows)
+    assert set(result["batches"]["1"]["layer_us"]) == {"default", "tuned"}
+    written = json.loads(cfg.read_text())
+    assert written["_meta"]["written_by"].endswith("tune_quest_kernels.py")
+    assert set(written) - {"_meta"} == set(stages) and all("1" in written[s] for s in stages)
