@@ -77,6 +77,9 @@ def variant(name: str, budget: int, prompt_len: int = 32768) -> tuple[str, list[
         # FlashPrefill's block-sparse prefill (bench_prefill.py), dense decode, the same pages
         "flashprefill": ["--sparse-prefill", "flashprefill", "--page-size", "16"],
         "quest": ["--sparse-method", "quest", "--sparse-token-budget", str(budget)],
+        # one page set per KV head (group-summed bounds), read once per group by the GQA kernel
+        "quest-kv": ["--sparse-method", "quest", "--sparse-token-budget", str(budget), "--sparse-select-per",
+                     "kv_head"],
         # filter layers 2, 8, 18 (the paper's choice for 32-layer models; the 8B shape has 36)
         "omnikv": ["--sparse-method", "omnikv", "--sparse-token-budget", str(budget), "--page-size", "16"],
         # no Chain Cache: requests here are independent (a parked chain would hold pool rows)

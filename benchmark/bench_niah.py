@@ -38,6 +38,9 @@ CONFIGS = {
     "snapkv@1024": ["--sparse-method", "snapkv", "--sparse-budget", "1024", "--chain-cache", "off"],
     "quest@256": ["--sparse-method", "quest", "--sparse-token-budget", "256"],
     "quest@1024": ["--sparse-method", "quest", "--sparse-token-budget", "1024"],
+    # one page set per KV head (the sum of its query heads' bounds), read by the whole group
+    "quest-kv@256": ["--sparse-method", "quest", "--sparse-token-budget", "256", "--sparse-select-per", "kv_head"],
+    "quest-kv@1024": ["--sparse-method", "quest", "--sparse-token-budget", "1024", "--sparse-select-per", "kv_head"],
     "omnikv@256": ["--sparse-method", "omnikv", "--sparse-token-budget", "256"],
     "omnikv@1024": ["--sparse-method", "omnikv", "--sparse-token-budget", "1024"],
     "pyramidkv@256": ["--sparse-method", "pyramidkv", "--sparse-budget", "256", "--chain-cache", "off"],

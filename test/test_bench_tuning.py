@@ -144,3 +144,12 @@ def test_agent_replay_writes_its_json_after_every_run(tmp_path, monkeypatch):
     body = json.loads(out.read_text())
     assert body["results"]["dense+radix"]["wall_s"] == 26.0  # the best of the sweep so far
     assert body["tuning"]["dense+radix"] == {"16": 26.0, "32": 42.0} and "snapkv+chain" not in body["results"]
+
+
+def test_quest_kv_variant_is_a_valid_gpu_server_with_one_page_set_per_kv_head():
+    from sglang_sparse.srt.launcher import sparse_config
+
+    _, flags = B.variant("quest-kv", 2048)
+    config, argv = sparse_config(["--model-path", "m", "--device", "cuda", *B.GPU_FLAGS, *flags], log=lambda m: None)
+    assert config["method"] == "quest" and config["options"]["select_per"] == "kv_head"
+    assert config["options"]["token_budget"] == 2048 and argv[argv.index("--page-size") + 1] == "16"

@@ -245,3 +245,16 @@ def test_tp_size_must_split_the_heads_and_cpu_ranks_get_their_environment(fake_m
     assert "SGLANG_NCCL_SO_PATH" not in launcher.os.environ
     (fake_model / "config.json").write_text(json.dumps({**SMOL, "num_attention_heads": 8, "num_key_value_heads": 2}))
     launcher.complete_argv(["--tp-size", "4"], log=lambda m: None)  # 4 ranks over 2 KV heads: replicated
+
+
+def test_quest_select_per_flag_reaches_the_config_or_is_refused():
+    from sglang_sparse.config import parse_sparse_args
+    from sglang_sparse.registry import ConfigError
+
+    cfg, rest = parse_sparse_args(["--sparse-method", "quest", "--sparse-select-per", "kv_head", "--port", "1"])
+    assert cfg["options"]["select_per"] == "kv_head" and rest == ["--port", "1"]
+    assert parse_sparse_args(["--sparse-method", "quest"])[0]["options"]["select_per"] == "head"
+    with pytest.raises(ConfigError, match="select_per='group' is not allowed"):
+        parse_sparse_args(["--sparse-method", "quest", "--sparse-select-per", "group"])
+    with pytest.raises(ConfigError, match="has no option select_per"):
+        parse_sparse_args(["--sparse-method", "snapkv", "--sparse-select-per", "kv_head"])

@@ -65,10 +65,69 @@ def test_summaries_scores_and_selection_match_the_reference_after_page_reuse():
         torch.testing.assert_close(out[0], expected, rtol=1e-5, atol=1e-5)
 
 
+def test_kv_head_selection_is_one_page_set_per_group_from_the_summed_bounds():
+    """``--sparse-select-per kv_head`` through QuestRuntime's graph-safe decode: each KV head's
+    pages are the top pages of the sum of its query heads' bounds (a plain-torch reference from
+    the keys themselves, stable sort: ties to the lower page), and decode over the view equals
+    attention of every query head of the group over exactly those pages; ``head`` keeps each
+    query head's own top pages, and here the two differ."""
+    from sglang_sparse.core.events import DecodeBatch
+    from sglang_sparse.methods.quest import QuestConfig, QuestRuntime
+
+    lengths, group, n_sel = [13, 30, 9], HQ // HKV, 3
+    k_cache, v_cache, table = paged_batch(lengths, seed=3)
+    q = torch.randn(len(lengths), HQ, D, generator=torch.Generator().manual_seed(4))
+    rows, n_rows = torch.arange(len(lengths)), torch.tensor(lengths)
+    slot = table[rows, n_rows - 1].long()
+    views = {}
+    for mode in ("head", "kv_head"):
+        rt = QuestRuntime(None, QuestConfig(page_size=PAGE, token_budget=n_sel * PAGE, dense_layers=0,
+                                            select_per=mode))
+        kmin, kmax = rt._pages(0, k_cache)
+        for i, n in enumerate(lengths):  # the prompt (all but the decoded token) as prefill wrote it
+            slots = table[i, : n - 1].long()
+            quest_pages.add_keys(kmin, kmax, k_cache[slots], slots, PAGE)
+        views[mode] = rt.decode_view_tensors(DecodeBatch(0, q, k_cache[slot], rows, n_rows, slot, table,
+                                                         k_cache, v_cache))
+    kv = views["kv_head"]
+    assert kv.per_kv_head and not views["head"].per_kv_head
+    assert kv.page_ids.shape == (len(lengths), HKV, n_sel) and views["head"].page_ids.shape == (len(lengths), HQ, n_sel)
+    out = decode_over_pages(q, k_cache, v_cache, table, rows, kv.page_ids, n_rows, PAGE, 1 / D ** 0.5,
+                            aligned=kv.aligned, per_kv_head=True)
+    for i, n in enumerate(lengths):
+        keys = k_cache[table[i, :n].long()]
+        ref_min, ref_max = reference.quest_page_summaries(keys, PAGE)
+        bounds = one.quest_page_scores(q[i], ref_min, ref_max)  # [HQ, pages]
+        summed = bounds.view(HKV, group, -1).sum(1)
+        k = min(n_sel, summed.shape[1])
+        want = torch.sort(summed, dim=-1, descending=True, stable=True).indices[:, :k].sort(-1).values
+        got = kv.page_ids[i]
+        mask = torch.zeros(HQ, n, dtype=torch.bool)
+        for g in range(HKV):
+            assert torch.equal(got[g, :k].long(), want[g]), (i, g)
+            assert (got[g, k:] == -1).all()
+            pos = (want[g].view(-1, 1) * PAGE + torch.arange(PAGE)).flatten()
+            mask[g * group : (g + 1) * group, pos[pos < n]] = True
+        expected = one.masked_decode_attention(q[i], keys, v_cache[table[i, :n].long()], mask)
+        torch.testing.assert_close(out[i], expected, rtol=1e-5, atol=1e-5)
+    head_sets = views["head"].page_ids.view(len(lengths), HKV, group, n_sel)
+    assert not all(torch.equal(head_sets[:, :, j], kv.page_ids) for j in range(group))
+
+
+def test_select_per_is_validated_with_a_sentence():
+    from sglang_sparse.methods.quest import QuestConfig
+    from sglang_sparse.registry import ConfigError
+
+    with pytest.raises(ConfigError, match="select_per='query' is not allowed: must be head .* or kv_head"):
+        QuestConfig(select_per="query").validate()
+
+
 @pytest.mark.gpu
-def test_decode_selection_and_attention_replay_from_a_cuda_graph():
+@pytest.mark.parametrize("per_kv_head", [False, True])
+def test_decode_selection_and_attention_replay_from_a_cuda_graph(per_kv_head):
     """Capture summary update + scoring + top pages + the paged kernel once; replaying with new
-    queries, keys and lengths copied into the same buffers equals running them eagerly."""
+    queries, keys and lengths copied into the same buffers equals running them eagerly (also
+    with one page set per KV head and the GQA kernel, ``--sparse-select-per kv_head``)."""
     dev = "cuda"
     lengths = [40, 17, 29]
     k_cache, v_cache, table = paged_batch(lengths, seed=2, device=dev, dtype=torch.bfloat16)
@@ -85,8 +144,11 @@ def test_decode_selection_and_attention_replay_from_a_cuda_graph():
         kk = k_cache[slot_buf]
         quest_pages.add_decode_keys(kmin, kmax, kk, slot_buf, PAGE)  # the server's decode path
         scores = quest_pages.page_scores(q_buf, kmin, kmax, table, rows, n_buf, PAGE)
+        if per_kv_head:
+            scores = quest_pages.group_scores(scores, HQ // HKV)
         pages = quest_pages.top_pages(scores, 3)
-        return decode_over_pages(q_buf, k_cache, v_cache, table, rows, pages, n_buf, PAGE, 1 / D ** 0.5)
+        return decode_over_pages(q_buf, k_cache, v_cache, table, rows, pages, n_buf, PAGE, 1 / D ** 0.5,
+                                 aligned=True, per_kv_head=per_kv_head)
 
     def load(offset, seed):
         q_buf.copy_(torch.randn(3, HQ, D, generator=torch.Generator().manual_seed(seed)).to(dev, torch.bfloat16))

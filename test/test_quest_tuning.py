@@ -80,11 +80,13 @@ def test_tune_quest_kernels_smoke_run_writes_results_and_a_table(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     result = json.loads(out.read_text())
     stages = result["batches"]["1"]["stages"]
-    assert set(stages) == {"quest_page_scores_paged", "select_top", "paged_sparse_decode_attention"}
+    assert set(stages) == {"quest_page_scores_paged", "select_top", "paged_sparse_decode_attention",
+                           "paged_gqa_decode_attention"}
     for rows in stages.values():
         assert len(rows) >= 2 and all(r["ok"] for r in rows), rows
         assert all(r["us"] > 0 for r in rows)
-    assert set(result["batches"]["1"]["layer_us"]) == {"default", "tuned"}
+    assert set(result["batches"]["1"]["layer_us"]) == {"head_default", "head_tuned", "kv_head_default",
+                                                       "kv_head_tuned"}
     written = json.loads(cfg.read_text())
     assert written["_meta"]["written_by"].endswith("tune_quest_kernels.py")
     assert set(written) - {"_meta"} == set(stages) and all("1" in written[s] for s in stages)

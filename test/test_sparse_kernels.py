@@ -262,14 +262,15 @@ from interpreter_cases import Unsupported, interpreter_test, report, run_cases  
 def case_interpreter_active(T):
     from triton.runtime.interpreter import InterpretedFunction
 
-    from sgl_kernel_sparse import (triton_cells, triton_compact, triton_decode, triton_omnikv, triton_quest,
-                                   triton_select, triton_snapkv)
+    from sgl_kernel_sparse import (triton_cells, triton_compact, triton_decode, triton_omnikv, triton_paged_gqa,
+                                   triton_quest, triton_select, triton_snapkv)
 
     kernels = [triton_decode._decode_partial_kernel, triton_decode._decode_reduce_kernel,
                triton_cells._cells_partial_kernel, triton_omnikv._rows_tail_partial_kernel,
                triton_omnikv._token_logits_kernel,
                triton_quest._quest_scores_kernel, triton_quest._fold_decode_keys_kernel,
                triton_select._select_top_kernel, triton_select._select_top_radix_kernel,
+               triton_paged_gqa._paged_gqa_partial_kernel,
                triton_snapkv._snapkv_lse_kernel, triton_snapkv._snapkv_score_kernel,
                triton_compact._copy_rows_kernel]
     assert all(isinstance(k, InterpretedFunction) for k in kernels), "kernels are not interpreted"
@@ -366,6 +367,33 @@ def case_paged_launch_variants_agree(T):
                 close(got, want, torch.float32, f"prefetch={prefetch} aligned={aligned} stages={stages} "
                       f"splits={splits} block_n={block_n}")
                 assert (got[0, 1] == 0).all(), "head with no page must be zeros"
+
+
+def case_paged_gqa_equals_the_expanded_reference(T):
+    """One page set per KV head (Quest ``--sparse-select-per kv_head``): the GQA kernel (each page
+    loaded once for the group, ``tl.dot`` over a padded query tile) gives the per-query-head
+    reference over the expanded page ids; aligned and per-row lookups, split-K, pipelining,
+    partial last pages, padding, a KV head with no page, groups of 4 and 1; fp32, fp16, bf16."""
+    page = 4
+    seq_lens = [5 * page + 1, 3 * page, 4 * page - 1]
+    g = torch.Generator().manual_seed(25)
+    ctx = (max(seq_lens) // page + 2) * page
+    r2t = _aligned_table(4, ctx, page, g)
+    req_rows = torch.tensor([2, 0, 3])
+    seq = torch.tensor(seq_lens)
+    for dtype, hq, hkv in ((torch.float32, 8, 2), (torch.float16, 8, 2), (torch.bfloat16, 2, 2)):
+        _, _, _, _, _, page_ids, _ = paged_inputs(3, hkv, hkv, 32, page, 3, dtype, 26, seq_lens)
+        q = torch.randn(3, hq, 32, generator=g).to(dtype)
+        k = torch.randn(int(r2t.max()) + page, hkv, 32, generator=g).to(dtype)
+        v = torch.randn_like(k)
+        want = R.paged_gqa_decode_attention(q, k, v, r2t, req_rows, page_ids, seq, page)
+        close(want, R.paged_sparse_decode_attention(q, k, v, r2t, req_rows, page_ids.repeat_interleave(hq // hkv, 1),
+                                                    seq, page), dtype, "reference expands")
+        for aligned, splits, stages in ((False, 1, 0), (True, 3, 0), (True, 2, 2)):
+            got = T.paged_gqa_decode_attention(q, k, v, r2t, req_rows, page_ids, seq, page, num_splits=splits,
+                                               block_n=16, aligned=aligned, num_stages=stages, num_warps=2)
+            close(got, want, dtype, f"{dtype} hq={hq} aligned={aligned} splits={splits} stages={stages}")
+            assert (got[0, (hq // hkv):2 * (hq // hkv)] == 0).all(), "a KV head with no page: zeros"
 
 
 def case_select_top_radix_equals_bits(T):
@@ -758,7 +786,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     assert kernels == {"_decode_partial_kernel", "_decode_reduce_kernel", "_rows_tail_partial_kernel",
                        "_token_logits_kernel",
                        "_quest_scores_kernel", "_fold_decode_keys_kernel", "_select_top_kernel",
-                       "_select_top_radix_kernel", "_snapkv_lse_kernel", "_snapkv_score_kernel",
+                       "_select_top_radix_kernel", "_paged_gqa_partial_kernel", "_snapkv_lse_kernel", "_snapkv_score_kernel",
                        "_copy_rows_kernel"}
 
 
@@ -833,6 +861,29 @@ def test_gpu_paged_decode_launch_variants(dtype):
                                                   prefetch=prefetch, num_stages=stages, num_splits=splits,
                                                   block_n=block_n, num_warps=warps)
             close(got, want, dtype, f"prefetch={prefetch} stages={stages} splits={splits} block_n={block_n}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_gpu_paged_gqa_decode(dtype):
+    """The GQA kernel of ``--sparse-select-per kv_head`` compiled, at the 8B shape (128 pages of
+    16 per KV head), at each option tune_quest_kernels.py sweeps: the expanded reference."""
+    from sgl_kernel_sparse import triton_ops as T
+
+    page, seq_lens = 16, [32000 + 5, 8000, 17 * 16 - 3, 4000 + 8]
+    _, _, _, _, _, page_ids, seq = paged_inputs(4, 8, 8, 128, page, 128, dtype, 263, seq_lens)
+    g = torch.Generator().manual_seed(264)
+    r2t = _aligned_table(5, (max(seq_lens) // page + 2) * page, page, g)
+    k = torch.randn(int(r2t.max()) + page, 8, 128, generator=g).to(dtype)
+    q = torch.randn(4, 32, 128, generator=g).to(dtype)
+    q, k, v, r2t, page_ids, seq = (t.cuda() for t in (q, k, torch.randn_like(k), r2t, page_ids, seq))
+    req_rows = torch.tensor([3, 0, 4, 1], device="cuda")
+    want = R.paged_gqa_decode_attention(q, k, v, r2t, req_rows, page_ids, seq, page)
+    for aligned in (False, True):
+        for splits, block_n, warps, stages in ((None, None, None, None), (1, 64, 8, 2), (16, 16, 4, 4), (32, 32, 8, None)):
+            got = T.paged_gqa_decode_attention(q, k, v, r2t, req_rows, page_ids, seq, page, aligned=aligned,
+                                               num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
+            close(got, want, dtype, f"aligned={aligned} splits={splits} block_n={block_n} stages={stages}")
 
 
 @pytest.mark.gpu

@@ -33,7 +33,8 @@
 #                   bits / radix x warps x chunk; attention: splits x block_n x warps x prefetch / pipelining),
 #                   then the whole layer default vs tuned; writes $OUT/NVIDIA_H200.json (copy it to
 #                   sgl-kernel-sparse/python/sgl_kernel_sparse/configs/ and the server uses it) (~8 min, est.)
-#   tests-tuned-kernels  the paged kernel's launch variants and both selection kernels == references on the GPU
+#   tests-tuned-kernels  the paged kernel's launch variants, the GQA kernel of --sparse-select-per kv_head and both
+#                   selection kernels == references on the GPU, and Quest's pages in a captured CUDA graph
 #   capacity  8B shape, 32K in / 2K out: largest resident batch, dense vs SnapKV(2048)   ~7 min
 #   capacity393k  the same at a 393,216-token pool: SnapKV (batch 89), then dense over 16/32 splits ~9.5 min
 #   capacity-eviction  R-KV, SnapKV and dense (16 splits) at a 98,304-token pool               ~6 min
@@ -56,6 +57,7 @@
 #   matched128k-quest   the same, dense and Quest(2048) in one call, both at 64 kv splits   ~9 min
 #                   (with a committed configs/NVIDIA_H200.json from tune-quest, Quest runs its tuned kernels)
 #   matched128k-omnikv  the same for OmniKV(2048): dense and OmniKV in one call, both at 64 kv splits
+#   matched128k-quest-kv  the same for Quest with one page set per KV head (--sparse-select-per kv_head)
 #   matched128k-compile-dense / -quest  the same with --enable-torch-compile, one server per call
 #   matched128k-compile-quest-b1  compiled Quest at batch 1 only (its 1/2/4 graph capture outran 420 s)
 #   matched128k-compile-quest-b4  compiled Quest at batch 4 only (one capture size), for issue 15's 2.5x (~7 min, est.)
@@ -145,7 +147,8 @@ for stage in "$@"; do
         --time-limit 400 --out "$OUT/quest_tuning_128k.json" --write-config "$OUT/NVIDIA_H200.json" \
         2>&1 | tee "$OUT/$stage.txt" ;;
     tests-tuned-kernels)
-      gpu_tests "$stage" test/test_sparse_kernels.py -k "launch_variants or select_top_methods or paged_decode" ;;
+      gpu_tests "$stage" test/test_sparse_kernels.py -k "launch_variants or select_top_methods or paged_decode or paged_gqa"
+      gpu_tests "$stage-quest" test/test_quest_pages.py ;;
     kernels-quest128k-sweep)  # issue 15: the paged attention at 128K over block_n 32/64/128 x splits 4/8/16/32
       # (its default is not tuned for 128K; an ad hoc sweep, 2026-12-05, moved 2x between repeats: each case here
       # is the median of --iters calls with L2 flushed), then the four served kernels again
@@ -171,6 +174,11 @@ for stage in "$@"; do
       python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 131072 --output-len 64 \
         --batches 1 2 4 --pool 540672 --methods dense quest --tune dense quest --kv-splits 64 \
         --out long_matched_128k_quest.json -- --cuda-graph-bs-decode 1 2 4 2>&1 | tee "$OUT/$stage.txt" ;;
+    matched128k-quest-kv)  # issue 15: Quest with one page set per KV head (--sparse-select-per kv_head, the GQA
+      # kernel) next to dense, both at 64 kv splits, one run (~9 min, est.)
+      python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 131072 --output-len 64 \
+        --batches 1 2 4 --pool 540672 --methods dense quest-kv --tune dense quest-kv --kv-splits 64 \
+        --out long_matched_128k_quest_kv.json -- --cuda-graph-bs-decode 1 2 4 2>&1 | tee "$OUT/$stage.txt" ;;
     matched128k-omnikv)  # issue 15: OmniKV next to dense, both at 64 kv splits (OmniKV's five dense layers
       # too), one run; its last figures (0.95x / 1.24x / 1.44x) paid its dense layers at 8 splits (~9 min, est.)
       python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 131072 --output-len 64 \

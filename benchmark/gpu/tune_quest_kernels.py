@@ -10,6 +10,8 @@ with ``--page-size 16``) and their per-page key summaries. Each stage of a spars
 - ``paged_sparse_decode_attention``  ``num_splits`` x ``block_n`` x ``num_warps`` x variant
   (``aligned``: one table entry per page; ``prefetch``: next tile's ids ahead; ``stages2/3``:
   Triton loop pipelining)
+- ``paged_gqa_decode_attention`` (``--sparse-select-per kv_head``: one page set per KV head, each
+  page loaded once for its query heads)  ``num_splits`` x ``block_n`` x ``num_warps`` x ``num_stages``
 
 is captured into a CUDA graph that runs it once per layer (distinct KV per layer, as in a step:
 nothing stays in L2 from the previous call) and timed over replays: per config the median of
@@ -17,7 +19,9 @@ nothing stays in L2 from the previous call) and timed over replays: per config t
 hits every config alike); the figure is the median over rounds, per layer. Every config's output
 is checked against the stage's built-in default (same page ids for the selection, allclose for
 attention); a config that disagrees is reported and never chosen. Then the whole sparse layer
-(fold + scores + selection + attention) with the defaults and with the best of each stage.
+(fold + scores + selection + attention) with the defaults and with the best of each stage, per
+query head (``head``, the default) and per KV head (``kv_head``: scores summed over each group,
+selection over ``B x Hkv`` rows, the GQA kernel).
 
 ``--write-config F`` writes the best configs in ``sgl_kernel_sparse.tuning``'s format; copy it to
 ``sgl-kernel-sparse/python/sgl_kernel_sparse/configs/<device>.json`` to make the server use it.
@@ -60,13 +64,17 @@ def grids(quick: bool) -> dict:
         return {"quest_page_scores_paged": [{}, dict(block_p=16, num_warps=2)],
                 "select_top": [{}, dict(method="radix")],
                 "paged_sparse_decode_attention": [{}, dict(num_splits=2, block_n=16, num_warps=2, **ATTN_VARIANTS["prefetch"]),
-                                                  dict(num_splits=2, block_n=16, **ATTN_VARIANTS["stages2"])]}
+                                                  dict(num_splits=2, block_n=16, **ATTN_VARIANTS["stages2"])],
+                "paged_gqa_decode_attention": [{}, dict(num_splits=2, block_n=16, num_warps=2)]}
     scores = [{}] + [dict(block_p=p, num_warps=w) for p in (16, 32, 64, 128) for w in (2, 4, 8)]
     select = [{}] + [dict(method=m, num_warps=w, chunk=c) for m in ("bits", "radix") for w in (8, 16, 32)
                      for c in (1024, 4096)]
     attn = [{}] + [dict(num_splits=s, block_n=bn, num_warps=w, **ATTN_VARIANTS[v])
                    for v in ATTN_VARIANTS for s in (None, 8, 16, 32, 64) for bn in (16, 32, 64) for w in (4, 8)]
-    return {"quest_page_scores_paged": scores, "select_top": select, "paged_sparse_decode_attention": attn}
+    gqa = [{}] + [dict(num_splits=s, block_n=bn, num_warps=w, num_stages=st) for s in (None, 4, 8, 16, 32)
+                  for bn in (16, 32, 64) for w in (4, 8) for st in (None, 2, 4)]
+    return {"quest_page_scores_paged": scores, "select_top": select, "paged_sparse_decode_attention": attn,
+            "paged_gqa_decode_attention": gqa}
 
 
 class Layer:
@@ -99,8 +107,12 @@ def stage_fns(stage, cfg, st):
     wrappers themselves: what the package's dispatch calls on CUDA)."""
     from sgl_kernel_sparse import triton_ops as K
 
-    layers, table, q, req, n_rows, n_sel, scores, picked = st
+    layers, table, q, req, n_rows, n_sel, scores, picked, picked_kv = st
     n_pages = (n_rows.long() + PAGE - 1) // PAGE
+    if stage == "paged_gqa_decode_attention":
+        return [lambda L=L, p=p: K.paged_gqa_decode_attention(q, L.k, L.v, table, req, p, n_rows, PAGE, 0.088,
+                                                              aligned=True, **cfg)
+                for L, p in zip(layers, picked_kv)]
     if stage == "quest_page_scores_paged":
         return [lambda L=L: K.quest_page_scores_paged(q, L.kmin, L.kmax, table, req, n_pages, PAGE, **cfg)
                 for L in layers]
@@ -111,11 +123,12 @@ def stage_fns(stage, cfg, st):
             for L, p in zip(layers, picked)]
 
 
-def layer_fns(cfgs, st):
-    """The whole sparse layer as the server runs it: fold the new key, score, select, attend."""
+def layer_fns(cfgs, st, per_kv_head=False):
+    """The whole sparse layer as the server runs it: fold the new key, score, select, attend
+    (``per_kv_head``: selection over the group-summed scores, the GQA kernel)."""
     from sgl_kernel_sparse import triton_ops as K
 
-    layers, table, q, req, n_rows, n_sel, _, _ = st
+    layers, table, q, req, n_rows, n_sel = st[:6]
     n_pages = (n_rows.long() + PAGE - 1) // PAGE
     slot = table[req, n_rows - 1].long()
 
@@ -123,6 +136,10 @@ def layer_fns(cfgs, st):
         K.quest_fold_decode_keys(L.kmin, L.kmax, L.k[slot], slot, PAGE)
         s = K.quest_page_scores_paged(q, L.kmin, L.kmax, table, req, n_pages, PAGE,
                                       **cfgs["quest_page_scores_paged"])
+        if per_kv_head:
+            p = K.select_top(quest_pages.group_scores(s, HQ // HKV), n_sel, **cfgs["select_top"])
+            return K.paged_gqa_decode_attention(q, L.k, L.v, table, req, p, n_rows, PAGE, 0.088, aligned=True,
+                                                **cfgs["paged_gqa_decode_attention"])
         p = K.select_top(s, n_sel, **cfgs["select_top"])
         return K.paged_sparse_decode_attention(q, L.k, L.v, table, req, p, n_rows, PAGE, 0.088, aligned=True,
                                                **cfgs["paged_sparse_decode_attention"])
@@ -247,7 +264,8 @@ def main() -> int:
         layers, table, q, req, n_rows = build(b, args.ctx, args.layers, dev, dt)
         scores = [quest_pages.page_scores(q, L.kmin, L.kmax, table, req, n_rows, PAGE) for L in layers]
         picked = [quest_pages.top_pages(s, n_sel) for s in scores]
-        st = (layers, table, q, req, n_rows, n_sel, scores, picked)
+        picked_kv = [quest_pages.top_pages(quest_pages.group_scores(s, HQ // HKV), n_sel) for s in scores]
+        st = (layers, table, q, req, n_rows, n_sel, scores, picked, picked_kv)
         res = {}
         best = {}
         for stage, configs in grid.items():
@@ -260,13 +278,13 @@ def main() -> int:
                   f"{sum(1 for r in rows if not r.get('ok'))} configs failed or disagreed", flush=True)
             table_out.setdefault(stage, {})[str(b)] = {k: v for k, v in top["config"].items() if v is not None}
         layer = {}
-        for name, cfgs in (("default", {s: {} for s in grid}), ("tuned", best)):
-            run = make_timer(layer_fns(cfgs, st), cuda)
+        for name, cfgs, per_kv in (("head_default", {s: {} for s in grid}, False), ("head_tuned", best, False),
+                                   ("kv_head_default", {s: {} for s in grid}, True), ("kv_head_tuned", best, True)):
+            run = make_timer(layer_fns(cfgs, st, per_kv), cuda)
             layer[name] = statistics.median(time_us(run, args.reps, cuda) for _ in range(args.rounds)) / len(layers)
-        print(f"batch {b} one sparse layer: default {layer['default']:.1f} us, tuned {layer['tuned']:.1f} us",
-              flush=True)
+        print(f"batch {b} one sparse layer (us): " + ", ".join(f"{k} {v:.1f}" for k, v in layer.items()), flush=True)
         result["batches"][str(b)] = dict(stages=res, best=best, layer_us=layer)
-        del layers, scores, picked, st
+        del layers, scores, picked, picked_kv, st
         if cuda:
             torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps(result, indent=1))

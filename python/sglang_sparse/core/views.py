@@ -35,13 +35,16 @@ class PagedDecodeView:
     (p+1)*page_size)`` of the request's slot table), ``-1`` = padding; rows ``>= n_rows[b]`` (a
     partial last page) are not read. ``aligned``: the method promises that each row-page is one
     whole, aligned pool page (the engine allocates KV in pages of ``page_size``, as for Quest), so
-    a kernel may read one slot-table entry per page and add the offset inside it.
+    a kernel may read one slot-table entry per page and add the offset inside it. ``per_kv_head``:
+    ``page_ids`` is ``[B, H_kv, n]``, one page set per KV head read by all its query heads (Quest
+    ``--sparse-select-per kv_head``), so a kernel loads each page once for the whole group.
     """
 
     page_ids: torch.Tensor
     page_size: int
     n_rows: torch.Tensor
     aligned: bool = False
+    per_kv_head: bool = False
 
 
 @dataclass(frozen=True)

@@ -41,12 +41,16 @@ def decode_over_views(q, k_cache, v_cache, req_to_token, req_rows: list[int], ro
 
 
 def decode_over_pages(q, k_cache, v_cache, table, req_rows, page_ids, n_rows, page: int, scale: float,
-                      aligned: bool = False):
+                      aligned: bool = False, per_kv_head: bool = False):
     """q ``[B, Hq, D]``; page_ids ``[B, Hq, P]`` row-pages (``-1`` padding); rows ``>= n_rows[b]``
     masked. ``aligned``: each row-page is one whole pool page (``PagedDecodeView.aligned``), so
     the Triton kernel reads one slot-table entry per page. The kernel package dispatches itself
     (Triton on CUDA, no host sync, so CUDA graphs capture it; its plain-torch reference
-    elsewhere, which reads every row's slot either way)."""
+    elsewhere, which reads every row's slot either way). ``per_kv_head``: page_ids ``[B, Hkv, P]``
+    (``PagedDecodeView.per_kv_head``), read by the GQA kernel (each page once per group)."""
+    if per_kv_head:
+        return sgl_kernel_sparse.paged_gqa_decode_attention(
+            q, k_cache, v_cache, table, req_rows.long(), page_ids, n_rows, page, scale, aligned=aligned)
     return sgl_kernel_sparse.paged_sparse_decode_attention(
         q, k_cache, v_cache, table, req_rows.long(), page_ids, n_rows, page, scale, aligned=aligned)
 

@@ -57,6 +57,16 @@ def page_scores(q, kmin, kmax, table, req_rows, n_rows, page: int) -> torch.Tens
     return scores.masked_fill(beyond, float("-inf"))
 
 
+def group_scores(scores: torch.Tensor, group: int) -> torch.Tensor:
+    """Per KV head: the sum of its ``group`` query heads' page bounds, ``[B, H_q, P]`` ->
+    ``[B, H_q / group, P]`` (query head h belongs to KV head ``h // group``); ``-inf`` pages stay
+    ``-inf``."""
+    if group == 1:
+        return scores
+    b, hq, p = scores.shape
+    return scores.view(b, hq // group, group, p).sum(dim=2)
+
+
 def top_pages(scores: torch.Tensor, n_sel: int) -> torch.Tensor:
     """Top ``n_sel`` row-pages per (request, head): int64 ``[B, H_q, min(n_sel, P)]``, ascending,
     ties to the lower page, ``-1`` padding at the end where fewer pages exist (one Triton program

@@ -6,6 +6,13 @@ tokens). At each decode step and layer, each query head scores every page by the
 ``sum_c max(q_c * max_c, q_c * min_c)`` and reads only its top ``min(max(3, token_budget //
 page_size), n_pages)`` pages. The first ``dense_layers`` layers and all of prefill stay dense.
 
+``select_per`` (``--sparse-select-per``): ``head`` (the default, the paper's rule) picks pages per
+query head; ``kv_head`` picks one page set per KV head from the sum of its query heads' bounds,
+and every query head of the group reads that set. The paper's models are multi-head (one query
+head per KV head), where the two are the same; with grouped-query attention ``kv_head`` reads a
+quarter of the distinct pages (8B shape, 4 query heads per KV head) for the same per-head budget,
+at the cost of one shared choice per group. An adaptation, like SnapKV's usual GQA averaging.
+
 Summaries live per *physical* page of the KV pool (``kernels.quest_pages``), so the engine
 allocates KV in pages of ``page_size`` (the launcher sets SGLang's ``--page-size``): memory is
 1/``page_size`` of the keys, a radix-cached prefix brings its summaries along, and decode
@@ -23,7 +30,7 @@ from sglang_sparse.core.events import DecodeBatch, LayerInput, StepInfo, StepMod
 from sglang_sparse.core.runtime import SparseMethodRuntime
 from sglang_sparse.core.views import PagedDecodeView
 from sglang_sparse.kernels import quest_pages
-from sglang_sparse.registry import check_range, register_method
+from sglang_sparse.registry import ConfigError, check_range, register_method
 
 
 @dataclass(frozen=True)
@@ -31,11 +38,16 @@ class QuestConfig:
     page_size: int = 16
     token_budget: int = 1024
     dense_layers: int = 2
+    select_per: str = "head"
 
     def validate(self) -> None:
         check_range("page_size", self.page_size, 1, 4096)
         check_range("token_budget", self.token_budget, self.page_size)
         check_range("dense_layers", self.dense_layers, 0)
+        if self.select_per not in ("head", "kv_head"):
+            raise ConfigError(f"select_per={self.select_per!r} is not allowed: must be head (top pages per query "
+                              "head, the paper's rule) or kv_head (one page set per KV head from the sum of its "
+                              "query heads' bounds)")
 
     @property
     def pages_per_head(self) -> int:
@@ -88,10 +100,13 @@ class QuestRuntime(SparseMethodRuntime):
         kmin, kmax = self._pages(batch.layer_id, batch.k_cache)
         quest_pages.add_decode_keys(kmin, kmax, batch.k, batch.slots, ps)
         scores = quest_pages.page_scores(batch.q, kmin, kmax, batch.table, batch.req_rows, batch.n_rows, ps)
+        per_kv_head = self.config.select_per == "kv_head"
+        if per_kv_head:  # [B, H_q, P] -> [B, H_kv, P]: one choice per group, read by all its query heads
+            scores = quest_pages.group_scores(scores, batch.q.shape[1] // kmin.shape[1])
         # aligned: SGLang runs with --page-size page_size (required_page_size), so row-page p is
         # one whole pool page (the summaries rely on this too)
         return PagedDecodeView(quest_pages.top_pages(scores, self.config.pages_per_head), ps, batch.n_rows,
-                               aligned=True)
+                               aligned=True, per_kv_head=per_kv_head)
 
     def finish_step(self, step: StepInfo) -> None:
         """Count pages read and available per query head, host-side (a replayed graph cannot):

@@ -42,6 +42,7 @@ def _pick(name, args, kwargs):
 _REF_KWARGS = {
     "sparse_decode_attention": ("scale",),
     "paged_sparse_decode_attention": ("scale",),
+    "paged_gqa_decode_attention": ("scale",),
     "cells_decode_attention": ("scale",),
     "rows_tail_decode_attention": ("scale",),
     "token_logits": ("scale",),
@@ -62,6 +63,13 @@ def sparse_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, rows, v
 def paged_sparse_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, page_ids,
                                   seq_lens, page, scale=None, **triton_kwargs):
     return _pick("paged_sparse_decode_attention",
+                 (q, k_cache, v_cache, req_to_token, req_rows, page_ids, seq_lens, page),
+                 dict(scale=scale, **triton_kwargs))
+
+
+def paged_gqa_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, page_ids,
+                               seq_lens, page, scale=None, **triton_kwargs):
+    return _pick("paged_gqa_decode_attention",
                  (q, k_cache, v_cache, req_to_token, req_rows, page_ids, seq_lens, page),
                  dict(scale=scale, **triton_kwargs))
 

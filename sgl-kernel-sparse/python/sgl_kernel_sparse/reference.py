@@ -132,6 +132,15 @@ def paged_sparse_decode_attention(
     return sparse_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, rows, valid, scale)
 
 
+def paged_gqa_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, page_ids, seq_lens, page,
+                               scale=None):
+    """``paged_sparse_decode_attention`` with one page set per KV head: page_ids ``[B, Hkv, P]``,
+    query head h reads the pages of KV head ``h // (Hq / Hkv)``."""
+    group = q.shape[1] // page_ids.shape[1]
+    return paged_sparse_decode_attention(q, k_cache, v_cache, req_to_token, req_rows,
+                                         page_ids.repeat_interleave(group, dim=1), seq_lens, page, scale)
+
+
 def cell_table_cells(req_to_token, req_rows, seq_lens, entries, offset, count, packed_rows, layer,
                      slots_per_layer):
     """Flat cells each request reads in ``layer`` from per-layer row tables (PyramidKV's packed

@@ -5,6 +5,7 @@ from .triton_cells import cells_decode_attention
 from .triton_compact import compact_kv
 from .triton_decode import paged_sparse_decode_attention, sparse_decode_attention
 from .triton_kvzip import kvzip_probe_scores
+from .triton_paged_gqa import paged_gqa_decode_attention
 from .triton_omnikv import rows_tail_decode_attention, token_logits
 from .triton_quest import quest_fold_decode_keys, quest_page_scores, quest_page_scores_paged
 from .triton_select import select_top
@@ -15,6 +16,7 @@ __all__ = [
     "cells_decode_attention",
     "compact_kv",
     "kvzip_probe_scores",
+    "paged_gqa_decode_attention",
     "paged_sparse_decode_attention",
     "quest_fold_decode_keys",
     "quest_page_scores",

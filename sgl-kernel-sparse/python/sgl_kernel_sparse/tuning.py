@@ -49,19 +49,30 @@ def _path_for(device: torch.device) -> Path | None:
     return CONFIG_DIR / config_name(torch.cuda.get_device_name(index))
 
 
+def _parse(raw) -> dict:
+    """``{kernel: [(batch, options), ...]}`` sorted by batch, from the file's JSON object."""
+    if not isinstance(raw, dict):
+        raise ValueError("not a JSON object")
+    table = {}
+    for kernel, entries in raw.items():
+        if kernel.startswith("_") or not isinstance(entries, dict):
+            continue
+        table[kernel] = sorted((int(k), dict(v)) for k, v in entries.items()
+                               if str(k).isdigit() and isinstance(v, dict))
+    return table
+
+
 def _table(device: torch.device) -> dict:
     """The parsed table of ``device``, read on the first call (SGLang's eager warm-up forwards
-    come before CUDA-graph capture and torch.compile tracing, which then only read the dict)."""
+    come before CUDA-graph capture and torch.compile tracing, which then only walk a list)."""
     key = (device.type, device.index)
     if key not in _TABLES:
         path = _path_for(device)
         table: dict = {}
         if path is not None and path.is_file():
             try:
-                table = json.loads(path.read_text())
-                if not isinstance(table, dict):
-                    raise ValueError("not a JSON object")
-            except (OSError, ValueError) as exc:  # a broken file must not break serving
+                table = _parse(json.loads(path.read_text()))
+            except (OSError, ValueError, TypeError) as exc:  # a broken file must not break serving
                 warnings.warn(f"sgl_kernel_sparse: ignoring kernel tuning file {path}: {exc}")
                 table = {}
         _TABLES[key] = table
@@ -70,14 +81,11 @@ def _table(device: torch.device) -> dict:
 
 def lookup(kernel: str, batch: int, device: torch.device) -> dict:
     """The tuned keyword arguments of ``kernel`` at ``batch`` on ``device`` (``{}``: none)."""
-    entries = _table(device).get(kernel)
-    if not isinstance(entries, dict):
-        return {}
-    keys = sorted(int(k) for k in entries if str(k).isdigit() and int(k) <= batch)
-    if not keys:
-        return {}
-    entry = entries.get(str(keys[-1]), {})
-    return dict(entry) if isinstance(entry, dict) else {}
+    found: dict = {}
+    for key, options in _table(device).get(kernel, ()):
+        if key <= batch:
+            found = options
+    return dict(found)
 
 
 def fill(kernel: str, batch: int, device: torch.device, **given) -> dict:

@@ -136,7 +136,8 @@ class SparseHooks:
                                         view.tail_start, view.n_rows, layer.scaling)
         else:
             out = decode_over_pages(q3, k_cache, v_cache, table, batch.req_rows, view.page_ids, view.n_rows,
-                                    view.page_size, layer.scaling, aligned=view.aligned)
+                                    view.page_size, layer.scaling, aligned=view.aligned,
+                                    per_kv_head=view.per_kv_head)
         return out.view(q3.shape[0], -1)
 
     @staticmethod
