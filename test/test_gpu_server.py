@@ -85,11 +85,15 @@ OMNIKV = ["--sparse-method", "omnikv", "--sparse-token-budget", "128", "--sparse
 GRAPH_METHODS = ("quest", "omnikv")  # selection captured into the decode graphs
 
 
+QUEST_KV = ["--sparse-method", "quest", "--sparse-token-budget", "128", "--sparse-select-per", "kv_head"]
+
+
 @pytest.mark.parametrize("flags", [
     ["--sparse-method", "quest", "--sparse-token-budget", "128"],
+    QUEST_KV,
     OMNIKV,
     ["--sparse-method", "snapkv", "--sparse-budget", "256"],
-], ids=["quest", "omnikv", "snapkv"])
+], ids=["quest", "quest_kv", "omnikv", "snapkv"])
 def test_sparse_decode_with_cuda_graphs_gives_the_eager_tokens(model, request, flags):
     """Quest's and OmniKV's selections are captured into the decode graphs; SnapKV decodes its
     compacted rows in SGLang's own graphs with logical RoPE positions. Same tokens as eager
@@ -167,8 +171,8 @@ def test_kvzip_probe_and_compaction_on_the_gpu_give_the_eager_tokens(model, requ
     assert graph_out == eager_out
 
 
-@pytest.mark.parametrize("flags", [[], ["--sparse-method", "quest", "--sparse-token-budget", "128"], OMNIKV],
-                         ids=["dense", "quest", "omnikv"])
+@pytest.mark.parametrize("flags", [[], ["--sparse-method", "quest", "--sparse-token-budget", "128"], QUEST_KV, OMNIKV],
+                         ids=["dense", "quest", "quest_kv", "omnikv"])
 def test_torch_compile_gives_the_eager_tokens(model, request, flags):
     """``--enable-torch-compile`` (SGLang compiles the decode forward, then captures it into
     graphs) with the sparse hooks inside: the same tokens as eager decoding, no leak."""

@@ -29,12 +29,15 @@ def table(tmp_path, monkeypatch):
 
 def test_lookup_takes_the_largest_batch_key_not_above_the_batch(table):
     table.write_text(json.dumps({"_meta": {"device": "x"},
-                                 "k": {"1": {"a": 1}, "4": {"a": 4}, "16": {"a": 16, "b": 2}}}))
+                                 "k": {"1": {"num_splits": 1}, "4": {"num_splits": 4},
+                                       "16": {"num_splits": 16, "block_n": 64}}}))
     cpu = torch.device("cpu")
-    assert [tuning.lookup("k", b, cpu).get("a") for b in (1, 2, 3, 4, 8, 16, 64)] == [1, 1, 1, 4, 4, 16, 16]
+    got = [tuning.lookup("k", b, cpu).get("num_splits") for b in (1, 2, 3, 4, 8, 16, 64)]
+    assert got == [1, 1, 1, 4, 4, 16, 16]
     assert tuning.lookup("k", 0, cpu) == {} and tuning.lookup("other", 4, cpu) == {}
     # an explicit argument wins; None takes the table's value; keys the table lacks stay None
-    assert tuning.fill("k", 16, cpu, a=None, b=7, c=None) == {"a": 16, "b": 7, "c": None}
+    assert tuning.fill("k", 16, cpu, num_splits=None, block_n=32, num_warps=None) == {
+        "num_splits": 16, "block_n": 32, "num_warps": None}
 
 
 def test_no_file_a_broken_file_and_none_keep_the_heuristics(table, monkeypatch):
@@ -51,19 +54,41 @@ def test_no_file_a_broken_file_and_none_keep_the_heuristics(table, monkeypatch):
     assert tuning.config_name("NVIDIA H200") == "NVIDIA_H200.json"
 
 
-def test_a_table_reaches_the_kernel_wrappers_and_explicit_options_win(table):
-    """select_top reads its method from the table: an unknown one is refused by name, an
-    explicit ``method=`` overrides it (the check runs before any kernel launch)."""
+def test_entries_a_kernel_cannot_launch_are_dropped_with_a_warning(table):
+    table.write_text(json.dumps({"k": {"1": {"num_splits": 0}, "2": {"block_n": 24}, "4": {"method": "heap"},
+                                       "8": {"colour": 1}, "16": {"num_splits": 8, "block_n": 32, "prefetch": True,
+                                                                  "method": "radix", "num_stages": 0}}}))
+    cpu = torch.device("cpu")
+    with pytest.warns(UserWarning, match=r"k\[1\] ignored: bad num_splits"):
+        assert tuning.lookup("k", 8, cpu) == {}
+    assert tuning.lookup("k", 16, cpu) == {"num_splits": 8, "block_n": 32, "prefetch": True, "method": "radix",
+                                           "num_stages": 0}
+
+
+def test_a_table_reaches_the_kernel_wrappers_and_explicit_options_win(table, monkeypatch):
+    """select_top takes its method, warps and chunk from the table (keyed by rows) and an explicit
+    ``method=`` over the table's; the launch is recorded instead of run."""
     from sgl_kernel_sparse import triton_select
 
-    table.write_text(json.dumps({"select_top": {"1": {"method": "heap"}}}))
-    orig = triton_select.check_device
-    triton_select.check_device = lambda *t: None  # CPU tensors, no interpreter needed for the refusal
-    try:
-        with pytest.raises(ValueError, match="radix"):
-            triton_select.select_top(torch.zeros(2, 8), 2)
-    finally:
-        triton_select.check_device = orig
+    launches = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((self.name, grid, kw))
+
+    monkeypatch.setattr(triton_select, "_KERNELS", {"bits": Recorder("bits"), "radix": Recorder("radix")})
+    monkeypatch.setattr(triton_select, "check_device", lambda *t: None)
+    table.write_text(json.dumps({"select_top": {"2": {"method": "radix", "num_warps": 8, "chunk": 2048}}}))
+    triton_select.select_top(torch.zeros(1, 64), 4)  # 1 row: below the entry's key, the defaults
+    triton_select.select_top(torch.zeros(2, 64), 4)
+    triton_select.select_top(torch.zeros(2, 64), 4, method="bits", num_warps=4)
+    (n1, g1, kw1), (n2, g2, kw2), (n3, _, kw3) = launches
+    assert (n1, kw1["num_warps"], kw1["CHUNK"]) == ("bits", 4, 64)
+    assert (n2, g2, kw2["num_warps"], kw2["CHUNK"]) == ("radix", (2,), 8, 64)  # the chunk never exceeds the row
+    assert (n3, kw3["num_warps"]) == ("bits", 4)
 
 
 def test_tune_quest_kernels_smoke_run_writes_results_and_a_table(tmp_path):
@@ -80,7 +105,7 @@ def test_tune_quest_kernels_smoke_run_writes_results_and_a_table(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     result = json.loads(out.read_text())
     stages = result["batches"]["1"]["stages"]
-    assert set(stages) == {"quest_page_scores_paged", "select_top", "paged_sparse_decode_attention",
+    assert set(stages) == {"quest_page_scores_paged", "select_top", "select_top_kv", "paged_sparse_decode_attention",
                            "paged_gqa_decode_attention"}
     for rows in stages.values():
         assert len(rows) >= 2 and all(r["ok"] for r in rows), rows
@@ -89,4 +114,7 @@ def test_tune_quest_kernels_smoke_run_writes_results_and_a_table(tmp_path):
                                                        "kv_head_tuned"}
     written = json.loads(cfg.read_text())
     assert written["_meta"]["written_by"].endswith("tune_quest_kernels.py")
-    assert set(written) - {"_meta"} == set(stages) and all("1" in written[s] for s in stages)
+    assert set(written) - {"_meta"} == set(stages) - {"select_top_kv"}
+    assert set(written["select_top"]) == {"32", "8"}  # keyed by rows: 1 x 32 query heads, 1 x 8 KV heads
+    assert all(set(written[s]) == {"1"} for s in ("quest_page_scores_paged", "paged_sparse_decode_attention",
+                                                  "paged_gqa_decode_attention"))

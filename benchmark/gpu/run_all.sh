@@ -31,7 +31,7 @@
 #   tune-quest      issue 15: Quest's served decode stages at 128K, batch 4 / 1 / 2 (4 first: the 2.5x target), each timed as CUDA-graph
 #                   replays over 8 distinct layers for every launch option (scores: block_p x warps; selection:
 #                   bits / radix x warps x chunk; attention: splits x block_n x warps x prefetch / pipelining),
-#                   then the whole layer default vs tuned; writes $OUT/NVIDIA_H200.json (copy it to
+#                   then the whole layer default vs tuned; writes $OUT/<GPU name>.json (copy it to
 #                   sgl-kernel-sparse/python/sgl_kernel_sparse/configs/ and the server uses it) (~8 min, est.)
 #   tests-tuned-kernels  the paged kernel's launch variants, the GQA kernel of --sparse-select-per kv_head and both
 #                   selection kernels == references on the GPU, and Quest's pages in a captured CUDA graph
@@ -144,7 +144,7 @@ for stage in "$@"; do
         --out "$OUT/kernels_quest128k.json" 2>&1 | tee "$OUT/$stage.txt" ;;
     tune-quest)  # issue 15: choose the launch options of Quest's decode kernels (see the list above)
       timeout 580 python3 benchmark/gpu/tune_quest_kernels.py --batch 4 1 2 --ctx 131072 --budget 2048 \
-        --time-limit 400 --out "$OUT/quest_tuning_128k.json" --write-config "$OUT/NVIDIA_H200.json" \
+        --time-limit 400 --out "$OUT/quest_tuning_128k.json" --write-config-dir "$OUT" \
         2>&1 | tee "$OUT/$stage.txt" ;;
     tests-tuned-kernels)
       gpu_tests "$stage" test/test_sparse_kernels.py -k "launch_variants or select_top_methods or paged_decode or paged_gqa"

@@ -6,7 +6,9 @@ with ``--page-size 16``) and their per-page key summaries. Each stage of a spars
 (``QuestRuntime.decode_view_tensors`` + the paged kernel):
 
 - ``quest_page_scores_paged``  ``block_p`` x ``num_warps``
-- ``select_top``               ``method`` (bits / radix) x ``num_warps`` x ``chunk``
+- ``select_top``               ``method`` (bits / radix) x ``num_warps`` x ``chunk``, over the
+  ``B x Hq`` rows of per-query-head selection and (``select_top_kv``) the ``B x Hkv`` rows of
+  ``kv_head`` selection; the table keys selection by its number of rows
 - ``paged_sparse_decode_attention``  ``num_splits`` x ``block_n`` x ``num_warps`` x variant
   (``aligned``: one table entry per page; ``prefetch``: next tile's ids ahead; ``stages2/3``:
   Triton loop pipelining)
@@ -23,12 +25,13 @@ attention); a config that disagrees is reported and never chosen. Then the whole
 query head (``head``, the default) and per KV head (``kv_head``: scores summed over each group,
 selection over ``B x Hkv`` rows, the GQA kernel).
 
-``--write-config F`` writes the best configs in ``sgl_kernel_sparse.tuning``'s format; copy it to
-``sgl-kernel-sparse/python/sgl_kernel_sparse/configs/<device>.json`` to make the server use it.
+``--write-config F`` writes the best configs in ``sgl_kernel_sparse.tuning``'s format
+(``--write-config-dir D``: to ``D/<this GPU's config name>``, e.g. ``NVIDIA_H200.json``); copy it
+to ``sgl-kernel-sparse/python/sgl_kernel_sparse/configs/`` to make the server use it.
 ``--time-limit`` stops the sweep (what is measured is kept and written) before a call's limit.
 
     python3 benchmark/gpu/tune_quest_kernels.py --batch 1 2 4 --ctx 131072 --budget 2048 \\
-        --out quest_tuning.json --write-config NVIDIA_H200.json
+        --out quest_tuning.json --write-config-dir .
 
 Without a GPU (CI) it runs the same code on tiny shapes under the Triton interpreter with eager
 timing (``TRITON_INTERPRET=1``, figures meaningless): a smoke test of the script.
@@ -62,7 +65,7 @@ def grids(quick: bool) -> dict:
     """Config grids per stage; ``{}`` (the built-in heuristics) first: the baseline."""
     if quick:
         return {"quest_page_scores_paged": [{}, dict(block_p=16, num_warps=2)],
-                "select_top": [{}, dict(method="radix")],
+                "select_top": [{}, dict(method="radix")], "select_top_kv": [{}, dict(method="radix")],
                 "paged_sparse_decode_attention": [{}, dict(num_splits=2, block_n=16, num_warps=2, **ATTN_VARIANTS["prefetch"]),
                                                   dict(num_splits=2, block_n=16, **ATTN_VARIANTS["stages2"])],
                 "paged_gqa_decode_attention": [{}, dict(num_splits=2, block_n=16, num_warps=2)]}
@@ -73,8 +76,8 @@ def grids(quick: bool) -> dict:
                    for v in ATTN_VARIANTS for s in (None, 8, 16, 32, 64) for bn in (16, 32, 64) for w in (4, 8)]
     gqa = [{}] + [dict(num_splits=s, block_n=bn, num_warps=w, num_stages=st) for s in (None, 4, 8, 16, 32)
                   for bn in (16, 32, 64) for w in (4, 8) for st in (None, 2, 4)]
-    return {"quest_page_scores_paged": scores, "select_top": select, "paged_sparse_decode_attention": attn,
-            "paged_gqa_decode_attention": gqa}
+    return {"quest_page_scores_paged": scores, "select_top": select, "select_top_kv": select,
+            "paged_sparse_decode_attention": attn, "paged_gqa_decode_attention": gqa}
 
 
 class Layer:
@@ -107,7 +110,7 @@ def stage_fns(stage, cfg, st):
     wrappers themselves: what the package's dispatch calls on CUDA)."""
     from sgl_kernel_sparse import triton_ops as K
 
-    layers, table, q, req, n_rows, n_sel, scores, picked, picked_kv = st
+    layers, table, q, req, n_rows, n_sel, scores, scores_kv, picked, picked_kv = st
     n_pages = (n_rows.long() + PAGE - 1) // PAGE
     if stage == "paged_gqa_decode_attention":
         return [lambda L=L, p=p: K.paged_gqa_decode_attention(q, L.k, L.v, table, req, p, n_rows, PAGE, 0.088,
@@ -116,8 +119,8 @@ def stage_fns(stage, cfg, st):
     if stage == "quest_page_scores_paged":
         return [lambda L=L: K.quest_page_scores_paged(q, L.kmin, L.kmax, table, req, n_pages, PAGE, **cfg)
                 for L in layers]
-    if stage == "select_top":
-        return [lambda s=s: K.select_top(s, n_sel, **cfg) for s in scores]
+    if stage in ("select_top", "select_top_kv"):
+        return [lambda s=s: K.select_top(s, n_sel, **cfg) for s in (scores if stage == "select_top" else scores_kv)]
     return [lambda L=L, p=p: K.paged_sparse_decode_attention(q, L.k, L.v, table, req, p, n_rows, PAGE, 0.088,
                                                              aligned=True, **cfg)
             for L, p in zip(layers, picked)]
@@ -137,7 +140,7 @@ def layer_fns(cfgs, st, per_kv_head=False):
         s = K.quest_page_scores_paged(q, L.kmin, L.kmax, table, req, n_pages, PAGE,
                                       **cfgs["quest_page_scores_paged"])
         if per_kv_head:
-            p = K.select_top(quest_pages.group_scores(s, HQ // HKV), n_sel, **cfgs["select_top"])
+            p = K.select_top(quest_pages.group_scores(s, HQ // HKV), n_sel, **cfgs["select_top_kv"])
             return K.paged_gqa_decode_attention(q, L.k, L.v, table, req, p, n_rows, PAGE, 0.088, aligned=True,
                                                 **cfgs["paged_gqa_decode_attention"])
         p = K.select_top(s, n_sel, **cfgs["select_top"])
@@ -234,6 +237,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="a few configs per stage")
     ap.add_argument("--out", required=True)
     ap.add_argument("--write-config", default=None, help="write the best configs as a tuning table here")
+    ap.add_argument("--write-config-dir", default=None,
+                    help="write the tuning table into this folder, named for this GPU (tuning.config_name)")
     args = ap.parse_args()
     os.environ[tuning.ENV] = "none"  # "default" = the built-in heuristics, not a packaged table
     tuning.clear_cache()
@@ -264,8 +269,9 @@ def main() -> int:
         layers, table, q, req, n_rows = build(b, args.ctx, args.layers, dev, dt)
         scores = [quest_pages.page_scores(q, L.kmin, L.kmax, table, req, n_rows, PAGE) for L in layers]
         picked = [quest_pages.top_pages(s, n_sel) for s in scores]
-        picked_kv = [quest_pages.top_pages(quest_pages.group_scores(s, HQ // HKV), n_sel) for s in scores]
-        st = (layers, table, q, req, n_rows, n_sel, scores, picked, picked_kv)
+        scores_kv = [quest_pages.group_scores(s, HQ // HKV) for s in scores]
+        picked_kv = [quest_pages.top_pages(s, n_sel) for s in scores_kv]
+        st = (layers, table, q, req, n_rows, n_sel, scores, scores_kv, picked, picked_kv)
         res = {}
         best = {}
         for stage, configs in grid.items():
@@ -276,7 +282,10 @@ def main() -> int:
             print(f"batch {b} {stage:<31} default {base if base is None else round(base, 1)} us -> best "
                   f"{top.get('us', float('nan')):.1f} us ({fmt(top['config'])}); "
                   f"{sum(1 for r in rows if not r.get('ok'))} configs failed or disagreed", flush=True)
-            table_out.setdefault(stage, {})[str(b)] = {k: v for k, v in top["config"].items() if v is not None}
+            # selection is keyed by its rows (B x Hq, or B x Hkv for kv_head), the rest by the batch
+            kernel, key = {"select_top": ("select_top", b * HQ), "select_top_kv": ("select_top", b * HKV)}.get(
+                stage, (stage, b))
+            table_out.setdefault(kernel, {})[str(key)] = {k: v for k, v in top["config"].items() if v is not None}
         layer = {}
         for name, cfgs, per_kv in (("head_default", {s: {} for s in grid}, False), ("head_tuned", best, False),
                                    ("kv_head_default", {s: {} for s in grid}, True), ("kv_head_tuned", best, True)):
@@ -284,14 +293,17 @@ def main() -> int:
             layer[name] = statistics.median(time_us(run, args.reps, cuda) for _ in range(args.rounds)) / len(layers)
         print(f"batch {b} one sparse layer (us): " + ", ".join(f"{k} {v:.1f}" for k, v in layer.items()), flush=True)
         result["batches"][str(b)] = dict(stages=res, best=best, layer_us=layer)
-        del layers, scores, picked, picked_kv, st
+        del layers, scores, scores_kv, picked, picked_kv, st
         if cuda:
             torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
-    if args.write_config:
-        Path(args.write_config).write_text(json.dumps(table_out, indent=1))
-        print(f"wrote {args.write_config}")
+    targets = [Path(args.write_config)] if args.write_config else []
+    if args.write_config_dir:
+        targets.append(Path(args.write_config_dir) / tuning.config_name(result["device"]))
+    for path in targets:
+        path.write_text(json.dumps(table_out, indent=1))
+        print(f"wrote {path}")
     return 0
 
 

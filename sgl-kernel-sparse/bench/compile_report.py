@@ -130,9 +130,11 @@ def _exercise(dtypes) -> None:
                                         num_stages=3)
         kv_pages = torch.zeros(b, hkv, 128, dtype=torch.int64)  # Quest --sparse-select-per kv_head
         for splits in (1, 4):
-            T.paged_gqa_decode_attention(q, kc, kc, r2t, req, kv_pages, req + 500, 16, num_splits=splits, aligned=True)
+            # dot16: the 16-bit dots served on CUDA (CPU tensors here would pick the interpreter's fp32 dots)
+            T.paged_gqa_decode_attention(q, kc, kc, r2t, req, kv_pages, req + 500, 16, num_splits=splits, aligned=True,
+                                         dot16=True)
         T.paged_gqa_decode_attention(q, kc, kc, r2t, req, kv_pages, req + 500, 16, num_splits=4, aligned=True,
-                                     num_stages=3)
+                                     num_stages=3, dot16=True)
         T.snapkv_window_scores(torch.zeros(32, hq, d, dtype=dt), kc)
         T.snapkv_window_scores(torch.zeros(32, hq, d, dtype=dt), kc, slots=torch.arange(100))
         T.compact_kv(kc, kc, torch.zeros(hkv, 100, dtype=torch.int64), torch.arange(100))

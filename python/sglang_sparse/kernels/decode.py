@@ -48,7 +48,7 @@ def decode_over_pages(q, k_cache, v_cache, table, req_rows, page_ids, n_rows, pa
     (Triton on CUDA, no host sync, so CUDA graphs capture it; its plain-torch reference
     elsewhere, which reads every row's slot either way). ``per_kv_head``: page_ids ``[B, Hkv, P]``
     (``PagedDecodeView.per_kv_head``), read by the GQA kernel (each page once per group)."""
-    if per_kv_head:
+    if per_kv_head and page_ids.shape[1] != q.shape[1]:  # (one query head per KV head: the same rows)
         return sgl_kernel_sparse.paged_gqa_decode_attention(
             q, k_cache, v_cache, table, req_rows.long(), page_ids, n_rows, page, scale, aligned=aligned)
     return sgl_kernel_sparse.paged_sparse_decode_attention(

@@ -9,9 +9,10 @@ page_size), n_pages)`` pages. The first ``dense_layers`` layers and all of prefi
 ``select_per`` (``--sparse-select-per``): ``head`` (the default, the paper's rule) picks pages per
 query head; ``kv_head`` picks one page set per KV head from the sum of its query heads' bounds,
 and every query head of the group reads that set. The paper's models are multi-head (one query
-head per KV head), where the two are the same; with grouped-query attention ``kv_head`` reads a
-quarter of the distinct pages (8B shape, 4 query heads per KV head) for the same per-head budget,
-at the cost of one shared choice per group. An adaptation, like SnapKV's usual GQA averaging.
+head per KV head), where the two are the same; with grouped-query attention ``kv_head`` reads up
+to 4x fewer distinct pages (8B shape, 4 query heads per KV head; per-head sets may overlap) for
+the same per-head budget, each once per group (``triton_paged_gqa``), at the cost of one shared
+choice per group. An adaptation, like SnapKV's usual GQA averaging.
 
 Summaries live per *physical* page of the KV pool (``kernels.quest_pages``), so the engine
 allocates KV in pages of ``page_size`` (the launcher sets SGLang's ``--page-size``): memory is

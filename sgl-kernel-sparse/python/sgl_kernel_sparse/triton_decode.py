@@ -261,7 +261,8 @@ def paged_sparse_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, p
     allocates KV in pages of ``page`` slots, as Quest runs SGLang): the kernel then reads one
     table entry per page. Launch options left ``None`` (``num_splits``, ``block_n``,
     ``num_warps``, ``prefetch``, ``num_stages``) come from the device's tuning table
-    (``tuning.py``), else the built-in heuristics."""
+    (``tuning.py``), else the built-in heuristics. ``prefetch`` is a hand-written pipeline of its
+    own: with it ``num_stages`` is not used."""
     if page_ids.shape[:2] != q.shape[:2]:
         raise ValueError(f"page_ids {tuple(page_ids.shape)} vs q {tuple(q.shape)}")
     check_device(seq_lens)

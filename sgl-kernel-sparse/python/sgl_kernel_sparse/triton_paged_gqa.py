@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from . import tuning
-from .triton_common import check_device, check_gqa, check_rows, check_table, interpreting, pow2
+from .triton_common import check_device, check_gqa, check_rows, check_table, pow2
 from .triton_decode import LOG2E, _load_tile, _paged_slots, merge_splits, plan_splits, split_buffers
 
 
@@ -42,9 +42,9 @@ def _paged_gqa_partial_kernel(
     hh = tl.arange(0, BLOCK_H)
     hmask = hh < GROUP
     heads = kvh * GROUP + hh
-    # qk_scale = softmax scale * log2(e): logits are in base 2, exp2 below
-    q = (tl.load(Q + b * s_qb + heads[:, None] * s_qh + d[None, :], mask=hmask[:, None] & dmask[None, :],
-                other=0.0).to(tl.float32) * qk_scale)
+    # the dot takes q as stored (no second rounding of a scaled copy); its fp32 logits are then
+    # scaled by qk_scale = softmax scale * log2(e): logits are in base 2, exp2 below
+    q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0)
     DT = Q.dtype.element_ty if DOT16 else tl.float32  # dot operands (accumulation is fp32)
     qd = q.to(DT)
     m_i = tl.full([BLOCK_H], -float("inf"), tl.float32)
@@ -56,7 +56,7 @@ def _paged_gqa_partial_kernel(
         slot, ok = _paged_slots(IDX, REQ_TO_TOKEN, n0 + tl.arange(0, BLOCK_N), stop, req, seq_len, b, kvh,
                                 s_ib, s_ih, s_in, s_rt, PAGE, ALIGNED)
         k, v = _load_tile(K, V, slot, ok, kvh, d, dmask, s_ks, s_kh, s_vs, s_vh)
-        logit = tl.dot(qd, tl.trans(k.to(DT)), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
+        logit = tl.dot(qd, tl.trans(k.to(DT)), input_precision=PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
         logit = tl.where(ok[None, :], logit, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(logit, axis=1))
         m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet: avoid inf-inf
@@ -102,7 +102,7 @@ def paged_gqa_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, page
     block_n, splits, chunk = plan_splits(b * hkv, n_total, d, q.device, want_n, cfg["num_splits"])
     fp32 = q.dtype == torch.float32
     if dot16 is None:  # Triton's CPU interpreter casts to bf16 by bits (wrong dots): fp32 there
-        dot16 = not fp32 and not (interpreting() and q.dtype == torch.bfloat16)
+        dot16 = not fp32 and (q.is_cuda or q.dtype != torch.bfloat16)
     o_part, lse_part = split_buffers(out, splits)
     scale = (1.0 / d**0.5) if scale is None else float(scale)
     _paged_gqa_partial_kernel[(b, hkv, splits)](

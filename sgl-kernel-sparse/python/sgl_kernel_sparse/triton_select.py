@@ -27,8 +27,11 @@ from .triton_common import check_device, pow2
 
 @triton.jit
 def _keys(S, r, s_s, i, P):
-    """Row r's scores at ``i`` as signed int32 with the floats' order; ``valid`` = finite."""
-    x = tl.load(S + r * s_s + i, mask=i < P, other=-float("inf")).to(tl.float32)
+    """Row r's scores at ``i`` as signed int32 with the floats' order; ``valid`` = not -inf (no
+    page; lanes past P). ``+ 0.0`` maps -0.0 to +0.0, which the reference's sort ties with it.
+    NaN (never a Quest bound of finite keys) would rank above +inf here; the reference sorts it
+    first and then drops it."""
+    x = tl.load(S + r * s_s + i, mask=i < P, other=-float("inf")).to(tl.float32) + 0.0
     bits = x.to(tl.int32, bitcast=True)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: magnitude bits flipped
     return key, key > -2139095041  # -inf (no page; lanes past P) is -2139095041
@@ -114,7 +117,7 @@ def select_top(scores: torch.Tensor, k: int, method=None, num_warps=None, chunk=
     """int64 ``[..., min(k, P)]``: see the module docstring. ``scores`` fp32, last dim contiguous.
     ``method``: ``"bits"`` (32 counting passes, the default) or ``"radix"`` (4 histogram passes);
     the same indices either way. Options left ``None`` come from the device's tuning table
-    (``tuning.py``, keyed by ``scores.shape[0]``), else the defaults."""
+    (``tuning.py``, keyed by the number of rows), else the defaults."""
     check_device(scores)
     p = scores.shape[-1]
     k = min(int(k), p)
@@ -123,8 +126,9 @@ def select_top(scores: torch.Tensor, k: int, method=None, num_warps=None, chunk=
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], k, dtype=torch.int64, device=scores.device)
     if rows.shape[0] and k:
-        cfg = tuning.fill("select_top", scores.shape[0] if scores.dim() > 1 else 1, scores.device,
-                          method=method, num_warps=num_warps, chunk=chunk)
+        # keyed by the number of rows: B * Hq per query head, B * Hkv with --sparse-select-per kv_head
+        cfg = tuning.fill("select_top", rows.shape[0], scores.device, method=method, num_warps=num_warps,
+                          chunk=chunk)
         kernel = _KERNELS.get(cfg["method"] or "bits")
         if kernel is None:
             raise ValueError(f"select_top method {cfg['method']!r}: allowed {sorted(_KERNELS)}")

@@ -13,8 +13,10 @@ Written by ``benchmark/gpu/tune_quest_kernels.py --write-config``. Format::
 ``lookup(kernel, batch, device)`` returns the entry of the largest batch key ``<= batch`` (``{}``
 when there is none, no file, or the file does not parse), and a wrapper uses a value only for an
 argument its caller left ``None``: an explicit argument always wins, and without a file every
-kernel keeps its built-in heuristics. Read once per process and device (never inside a captured
-graph: the wrappers look up while CUDA graphs are being captured, on the host).
+kernel keeps its built-in heuristics. Read once per process and device (``preload``, called by
+the SGLang adapter when it builds its attention backend: never for the first time inside a
+forward that torch.compile traces); the wrappers look up on the host while CUDA graphs are
+captured, and a replay runs the chosen launch.
 """
 
 from __future__ import annotations
@@ -49,22 +51,47 @@ def _path_for(device: torch.device) -> Path | None:
     return CONFIG_DIR / config_name(torch.cuda.get_device_name(index))
 
 
+_POW2 = ("block_n", "block_p", "chunk")  # tile sizes: powers of two
+_INTS = {"num_splits": 1, "num_warps": 1, "num_stages": 0, "block_n": 1, "block_p": 1, "chunk": 1}  # -> minimum
+_CHOICES = {"prefetch": (True, False), "method": ("bits", "radix")}
+
+
+def _bad_option(name: str, value) -> bool:
+    if name in _CHOICES:
+        return value not in _CHOICES[name]
+    if name not in _INTS:
+        return True  # an option no wrapper takes
+    if not isinstance(value, int) or isinstance(value, bool) or value < _INTS[name]:
+        return True
+    return (name in _POW2 and value & (value - 1) != 0) or (name == "num_warps" and value > 32)
+
+
 def _parse(raw) -> dict:
-    """``{kernel: [(batch, options), ...]}`` sorted by batch, from the file's JSON object."""
+    """``{kernel: [(batch, options), ...]}`` sorted by batch, from the file's JSON object. An entry
+    with an option no wrapper takes or a value it cannot launch (``num_splits`` 0, a tile that is
+    not a power of two, ...) is dropped with a warning: that batch keeps the heuristics."""
     if not isinstance(raw, dict):
         raise ValueError("not a JSON object")
     table = {}
     for kernel, entries in raw.items():
         if kernel.startswith("_") or not isinstance(entries, dict):
             continue
-        table[kernel] = sorted((int(k), dict(v)) for k, v in entries.items()
-                               if str(k).isdigit() and isinstance(v, dict))
+        rows = []
+        for key, options in entries.items():
+            if not (str(key).isdigit() and isinstance(options, dict)):
+                continue
+            bad = sorted(k for k, v in options.items() if _bad_option(k, v))
+            if bad:
+                warnings.warn(f"sgl_kernel_sparse: tuning entry {kernel}[{key}] ignored: bad {', '.join(bad)}")
+                continue
+            rows.append((int(key), dict(options)))
+        table[kernel] = sorted(rows, key=lambda r: r[0])
     return table
 
 
 def _table(device: torch.device) -> dict:
-    """The parsed table of ``device``, read on the first call (SGLang's eager warm-up forwards
-    come before CUDA-graph capture and torch.compile tracing, which then only walk a list)."""
+    """The parsed table of ``device``, read on the first call (``preload``, when the adapter builds
+    its attention backend); lookups in a traced or captured forward then only walk a list."""
     key = (device.type, device.index)
     if key not in _TABLES:
         path = _path_for(device)
@@ -77,6 +104,12 @@ def _table(device: torch.device) -> dict:
                 table = {}
         _TABLES[key] = table
     return _TABLES[key]
+
+
+def preload(device: torch.device) -> dict:
+    """Read ``device``'s table now (the SGLang adapter calls it when its attention backend is
+    built), so that no lookup inside a traced or captured forward touches the file system."""
+    return _table(device)
 
 
 def lookup(kernel: str, batch: int, device: torch.device) -> dict:
