@@ -90,6 +90,35 @@ def _paged_slots(IDX, REQ_TO_TOKEN, n, stop, req, seq_len, b, h, s_ib, s_ih, s_i
 
 
 @triton.jit
+def _group_softmax_step(logit, m_i, l_i, acc):
+    """One tile's online-softmax update for a GQA group's query tile (base-2 logits
+    ``[BLOCK_H, BLOCK_N]``, invalid ones -inf): returns ``(p, m_new, l_i, acc)`` with ``acc``
+    rescaled (the caller adds ``p @ v``). Shared by the GQA decode kernels (paged GQA, Palu)."""
+    m_new = tl.maximum(m_i, tl.max(logit, axis=1))
+    m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet: avoid inf - inf
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(logit - m_ref[:, None])
+    return p, m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None]
+
+
+@triton.jit
+def _store_group(OUT, O_PART, LSE_PART, acc, m_i, l_i, b, heads, hmask, s, d, dmask, s_ob, s_oh, hq, n_split,
+                 D: tl.constexpr, SPLIT: tl.constexpr):
+    """A GQA program's result for its query heads ``heads`` (``hmask``: real, not padding): with
+    split-K the normalized partials and log-sum-exps in ``_store_head``'s layout, else the
+    output rows. A head with nothing read stores zeros."""
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    omask = hmask[:, None] & dmask[None, :]
+    if SPLIT:
+        base = (b * hq + heads) * n_split + s  # O_PART [B, Hq, S, D], LSE [B, Hq, S]
+        tl.store(O_PART + base[:, None] * D + d[None, :], o, mask=omask)
+        tl.store(LSE_PART + base, tl.where(l_i > 0, m_i + tl.log2(l_safe), -float("inf")), mask=hmask)
+    else:
+        tl.store(OUT + b * s_ob + heads[:, None] * s_oh + d[None, :], o.to(OUT.dtype.element_ty), mask=omask)
+
+
+@triton.jit
 def _decode_partial_kernel(
     Q, K, V, REQ_TO_TOKEN, REQ_ROWS, IDX, VALID, SEQ_LENS, OUT, O_PART, LSE_PART,
     qk_scale, N, chunk,

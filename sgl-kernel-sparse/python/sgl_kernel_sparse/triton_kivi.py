@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .quant import KIVI_GROUP, check_kivi_layout
 from .triton_common import check_device, check_rows, interpreting, num_sms, pow2
-from .triton_decode import merge_splits, split_buffers
+from .triton_decode import _store_group, merge_splits, split_buffers
 
 LOG2E = 1.4426950408889634
 
@@ -135,15 +135,8 @@ def _kivi_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = acc / l_safe[:, None]  # nothing read (empty request or split): zeros
-    omask = hmask[:, None] & dmask[None, :]
-    if SPLIT:
-        base = (b * hq + heads) * n_split + s  # O_PART [B, Hq, S, D], LSE [B, Hq, S]
-        tl.store(O_PART + base[:, None] * D + d[None, :], o, mask=omask)
-        tl.store(LSE_PART + base, tl.where(l_i > 0, m_i + tl.log2(l_safe), -float("inf")), mask=hmask)
-    else:
-        tl.store(OUT + b * s_ob + heads[:, None] * s_oh + d[None, :], o.to(OUT.dtype.element_ty), mask=omask)
+    _store_group(OUT, O_PART, LSE_PART, acc, m_i, l_i, b, heads, hmask, s, d, dmask, s_ob, s_oh, hq, n_split,
+                 D, SPLIT)  # nothing read (empty request or split): zeros
 
 
 def plan_kivi_splits(programs, max_blocks, device, num_splits=None):

@@ -19,7 +19,8 @@ import triton.language as tl
 
 from . import tuning
 from .triton_common import check_device, check_gqa, check_rows, check_table, pow2
-from .triton_decode import LOG2E, _load_tile, _paged_slots, merge_splits, plan_splits, split_buffers
+from .triton_decode import (LOG2E, _group_softmax_step, _load_tile, _paged_slots, _store_group, merge_splits,
+                            plan_splits, split_buffers)
 
 
 @triton.jit
@@ -58,23 +59,10 @@ def _paged_gqa_partial_kernel(
         k, v = _load_tile(K, V, slot, ok, kvh, d, dmask, s_ks, s_kh, s_vs, s_vh)
         logit = tl.dot(qd, tl.trans(k.to(DT)), input_precision=PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
         logit = tl.where(ok[None, :], logit, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(logit, axis=1))
-        m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet: avoid inf-inf
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(logit - m_ref[:, None])
-        acc = acc * alpha[:, None] + tl.dot(p.to(DT), v.to(DT), input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
-
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = acc / l_safe[:, None]  # a KV head (or split) with no valid entry: zeros
-    omask = hmask[:, None] & dmask[None, :]
-    if SPLIT:
-        base = (b * hq + heads) * n_split + s  # O_PART [B, Hq, S, D], LSE [B, Hq, S]
-        tl.store(O_PART + base[:, None] * D + d[None, :], o, mask=omask)
-        tl.store(LSE_PART + base, tl.where(l_i > 0, m_i + tl.log2(l_safe), -float("inf")), mask=hmask)
-    else:
-        tl.store(OUT + b * s_ob + heads[:, None] * s_oh + d[None, :], o.to(OUT.dtype.element_ty), mask=omask)
+        p, m_i, l_i, acc = _group_softmax_step(logit, m_i, l_i, acc)
+        acc += tl.dot(p.to(DT), v.to(DT), input_precision=PRECISION)
+    _store_group(OUT, O_PART, LSE_PART, acc, m_i, l_i, b, heads, hmask, s, d, dmask, s_ob, s_oh, hq, n_split,
+                 D, SPLIT)
 
 
 def paged_gqa_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, page_ids, seq_lens, page,

@@ -38,21 +38,11 @@ import triton
 import triton.language as tl
 
 from .triton_common import check_device, check_gqa, check_rows, interpreting, pow2
-from .triton_decode import merge_splits, split_buffers
+from .triton_decode import _group_softmax_step as _online_step
+from .triton_decode import _store_group, merge_splits, split_buffers
 from .triton_kivi import plan_kivi_splits
 
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _online_step(logit, m_i, l_i, acc):
-    """One tile's online-softmax update (base-2 logits ``[BLOCK_H, BLOCK_N]``, invalid ones -inf):
-    returns ``(p, m_new, l_i, acc)`` with ``acc`` rescaled (the caller adds ``p @ v``)."""
-    m_new = tl.maximum(m_i, tl.max(logit, axis=1))
-    m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet: avoid inf - inf
-    alpha = tl.exp2(m_i - m_ref)
-    p = tl.exp2(logit - m_ref[:, None])
-    return p, m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None]
 
 
 @triton.jit
@@ -174,15 +164,8 @@ def _palu_decode_kernel(
         v = tl.load(V + slot[:, None] * s_vs + kvh * s_vh + d[None, :], mask=row_mask, other=0.0)
         acc += tl.dot(p.to(DT), v.to(DT), input_precision=PRECISION)
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = acc / l_safe[:, None]  # nothing read (empty request or split): zeros
-    omask = hmask[:, None] & dmask[None, :]
-    if SPLIT:
-        base = (b * hq + heads) * n_split + s  # O_PART [B, Hq, S, D], LSE [B, Hq, S]
-        tl.store(O_PART + base[:, None] * D + d[None, :], o, mask=omask)
-        tl.store(LSE_PART + base, tl.where(l_i > 0, m_i + tl.log2(l_safe), -float("inf")), mask=hmask)
-    else:
-        tl.store(OUT + b * s_ob + heads[:, None] * s_oh + d[None, :], o.to(OUT.dtype.element_ty), mask=omask)
+    _store_group(OUT, O_PART, LSE_PART, acc, m_i, l_i, b, heads, hmask, s, d, dmask, s_ob, s_oh, hq, n_split,
+                 D, SPLIT)
 
 
 def check_palu_layout(q, lat_k, lat_v, bk, bv, bias_k, bias_v, cos_sin, k_cache, v_cache):
