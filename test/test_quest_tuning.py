@@ -55,14 +55,15 @@ def test_no_file_a_broken_file_and_none_keep_the_heuristics(table, monkeypatch):
 
 
 def test_entries_a_kernel_cannot_launch_are_dropped_with_a_warning(table):
-    table.write_text(json.dumps({"k": {"1": {"num_splits": 0}, "2": {"block_n": 24}, "4": {"method": "heap"},
-                                       "8": {"colour": 1}, "16": {"num_splits": 8, "block_n": 32, "prefetch": True,
-                                                                  "method": "radix", "num_stages": 0}}}))
+    table.write_text(json.dumps({"k": {"1": {"num_splits": 0}, "2": {"block_n": 24}, "3": {"num_warps": 6},
+                                       "4": {"method": "heap"}, "5": {"prefetch": 1}, "8": {"colour": 1},
+                                       "16": {"num_splits": 8, "block_n": 32, "prefetch": True, "method": "radix",
+                                              "num_stages": 0, "num_warps": None}}}))
     cpu = torch.device("cpu")
     with pytest.warns(UserWarning, match=r"k\[1\] ignored: bad num_splits"):
         assert tuning.lookup("k", 8, cpu) == {}
     assert tuning.lookup("k", 16, cpu) == {"num_splits": 8, "block_n": 32, "prefetch": True, "method": "radix",
-                                           "num_stages": 0}
+                                           "num_stages": 0, "num_warps": None}
 
 
 def test_a_table_reaches_the_kernel_wrappers_and_explicit_options_win(table, monkeypatch):

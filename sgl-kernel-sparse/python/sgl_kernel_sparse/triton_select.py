@@ -29,8 +29,8 @@ from .triton_common import check_device, pow2
 def _keys(S, r, s_s, i, P):
     """Row r's scores at ``i`` as signed int32 with the floats' order; ``valid`` = not -inf (no
     page; lanes past P). ``+ 0.0`` maps -0.0 to +0.0, which the reference's sort ties with it.
-    NaN (never a Quest bound of finite keys) would rank above +inf here; the reference sorts it
-    first and then drops it."""
+    A NaN (never a Quest bound of finite keys) with the sign bit clear would rank above +inf here,
+    one with it set below -inf (no page); the reference sorts NaN first and then drops it."""
     x = tl.load(S + r * s_s + i, mask=i < P, other=-float("inf")).to(tl.float32) + 0.0
     bits = x.to(tl.int32, bitcast=True)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: magnitude bits flipped

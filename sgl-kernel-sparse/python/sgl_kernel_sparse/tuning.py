@@ -51,12 +51,16 @@ def _path_for(device: torch.device) -> Path | None:
     return CONFIG_DIR / config_name(torch.cuda.get_device_name(index))
 
 
-_POW2 = ("block_n", "block_p", "chunk")  # tile sizes: powers of two
+_POW2 = ("block_n", "block_p", "chunk", "num_warps")  # tile sizes and warps: powers of two
 _INTS = {"num_splits": 1, "num_warps": 1, "num_stages": 0, "block_n": 1, "block_p": 1, "chunk": 1}  # -> minimum
 _CHOICES = {"prefetch": (True, False), "method": ("bits", "radix")}
 
 
 def _bad_option(name: str, value) -> bool:
+    if value is None:  # null: the wrapper's own heuristic, as an argument left None
+        return name not in _INTS and name not in _CHOICES
+    if name == "prefetch":
+        return not isinstance(value, bool)
     if name in _CHOICES:
         return value not in _CHOICES[name]
     if name not in _INTS:
@@ -78,7 +82,7 @@ def _parse(raw) -> dict:
             continue
         rows = []
         for key, options in entries.items():
-            if not (str(key).isdigit() and isinstance(options, dict)):
+            if not (str(key).isdecimal() and str(key).isascii() and isinstance(options, dict)):
                 continue
             bad = sorted(k for k, v in options.items() if _bad_option(k, v))
             if bad:

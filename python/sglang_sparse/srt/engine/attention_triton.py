@@ -21,7 +21,7 @@ class SparseTritonBackend(SparseHooks, TritonAttnBackend):
         super().__init__(model_runner, *args, **kwargs)
         # the kernels' per-GPU launch table (sgl_kernel_sparse/tuning.py), read now: never for the
         # first time inside a decode forward that torch.compile traces or a CUDA graph captures
-        kernel_tuning.preload(torch.device("cuda", model_runner.gpu_id))
+        kernel_tuning.preload(torch.device(model_runner.device, model_runner.gpu_id))
 
     def _write_kv(self, k, v, layer, forward_batch) -> None:
         loc = KVWriteLoc.for_batch(forward_batch, swa_loc=self.forward_metadata.swa_out_cache_loc)
