@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import sys
@@ -490,7 +491,9 @@ def main() -> None:
     results: dict[str, dict] = {}
 
     def save() -> None:
+        # the sparse kernels' launch table the servers inherit (sgl_kernel_sparse.tuning), if one is named
         write_json(out, {"command": "python " + " ".join(sys.argv), "machine": platform.platform(),
+                         "kernel_tuning_table": os.environ.get("SGL_KERNEL_SPARSE_TUNING"),
                          "settings": vars(args), "results": results})
 
     for name in methods:

@@ -397,7 +397,8 @@ def case_paged_gqa_equals_the_expanded_reference(T):
 
 
 def case_select_top_radix_equals_bits(T):
-    """``select_top(method="radix")`` (4 byte-wide histogram passes) gives the bitwise kernel's and
+    """``select_top(method="radix")`` (4 byte-wide histogram passes) and ``method="nibble"`` (8
+    passes of 16 counts, sweeping the row in slices) give the bitwise kernel's and
     the stable sort's indices: ties across a whole byte, bf16-rounded scores, +inf, short rows
     with fewer finite pages than k, all -inf rows, k of 1 and k past the row."""
     g = torch.Generator().manual_seed(73)
@@ -411,9 +412,9 @@ def case_select_top_radix_equals_bits(T):
     s[4] = float("-inf")
     for k in (1, 128, 200, 3000):
         want = R.quest_select_pages(s.view(1, 5, -1), k).long()[0]
-        for method in ("bits", "radix"):
-            got = T.select_top(s, k, method=method)
-            assert torch.equal(got, want), (method, k)
+        for method, warps in (("bits", None), ("radix", None), ("nibble", None), ("nibble", 1)):
+            got = T.select_top(s, k, method=method, num_warps=warps)  # 1 warp: 32-key slices, a ragged last one
+            assert torch.equal(got, want), (method, warps, k)
     try:
         T.select_top(s, 4, method="heap")
     except ValueError as exc:
@@ -889,9 +890,9 @@ def test_gpu_paged_gqa_decode(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["bits", "radix"])
+@pytest.mark.parametrize("method", ["bits", "radix", "nibble"])
 def test_gpu_select_top_methods(method):
-    """Both selection kernels at Quest's 128K shape (8,192 pages, 128 kept) and with ties,
+    """The three selection kernels at Quest's 128K shape (8,192 pages, 128 kept) and with ties,
     compiled: the stable sort's indices, at each warp count and chunk tune_quest_kernels.py tries."""
     from sgl_kernel_sparse import triton_ops as T
 

@@ -33,6 +33,8 @@
 #                   bits / radix x warps x chunk; attention: splits x block_n x warps x prefetch / pipelining),
 #                   then the whole layer default vs tuned; writes $OUT/<GPU name>.json (copy it to
 #                   sgl-kernel-sparse/python/sgl_kernel_sparse/configs/ and the server uses it) (~8 min, est.)
+#   tune-quest-serve  tune-quest at batch 4 / 1 (200 s cap); its table, exported as SGL_KERNEL_SPARSE_TUNING,
+#                   serves the stages after it in the same run_all.sh; then the selection kernels' GPU tests
 #   tests-tuned-kernels  the paged kernel's launch variants, the GQA kernel of --sparse-select-per kv_head and both
 #                   selection kernels == references on the GPU, and Quest's pages in a captured CUDA graph
 #   capacity  8B shape, 32K in / 2K out: largest resident batch, dense vs SnapKV(2048)   ~7 min
@@ -61,6 +63,9 @@
 #   matched128k-compile-dense / -quest  the same with --enable-torch-compile, one server per call
 #   matched128k-compile-quest-b1  compiled Quest at batch 1 only (its 1/2/4 graph capture outran 420 s)
 #   matched128k-compile-quest-b4  compiled Quest at batch 4 only (one capture size), for issue 15's 2.5x (~7 min, est.)
+#   matched128k-compile-kv-b4  compiled dense, then compiled Quest --sparse-select-per kv_head, batch 4 only,
+#                   both at 64 splits, one run (~12 min, est.: longer than one call, see benchmark/gpu/bg.sh)
+#   matched128k-compile-kv-b1  the same at batch 1 (270,336-token pool, one prompt) (~9 min, est.)
 #   agent-replay-dense / -evict  issue 16's agent replay (8B shape, 32 sessions x 4 turns, 4K system,
 #                   2K tool outputs, 98,304-token pool): dense + radix over 8 / 16 splits in the
 #                   first call; SnapKV, H2O and R-KV (budget 2,048) + Chain Cache in the second
@@ -146,6 +151,14 @@ for stage in "$@"; do
       timeout 580 python3 benchmark/gpu/tune_quest_kernels.py --batch 4 1 2 --ctx 131072 --budget 2048 \
         --time-limit 400 --out "$OUT/quest_tuning_128k.json" --write-config-dir "$OUT" \
         2>&1 | tee "$OUT/$stage.txt" ;;
+    tune-quest-serve)  # issue 15: tune-quest at batch 4 and 1 only; its table (in $OUT: commit it to configs/)
+      # is exported as SGL_KERNEL_SPARSE_TUNING, so the servers of later stages of this run_all.sh launch
+      # the tuned kernels; then the selection kernels' GPU tests
+      timeout 400 python3 benchmark/gpu/tune_quest_kernels.py --batch 4 1 --ctx 131072 --budget 2048 \
+        --time-limit 200 --out "$OUT/quest_tuning_128k.json" --write-config-dir "$OUT" 2>&1 | tee "$OUT/$stage.txt"
+      table=$(ls "$OUT"/NVIDIA_*.json 2>/dev/null | head -1)
+      if [ -n "$table" ]; then export SGL_KERNEL_SPARSE_TUNING=$table; echo "tuning table for later stages: $table"; fi
+      GPU_TEST_TIMEOUT=120 gpu_tests "$stage" test/test_sparse_kernels.py -k "select_top_methods" ;;
     tests-tuned-kernels)
       gpu_tests "$stage" test/test_sparse_kernels.py -k "launch_variants or select_top_methods or paged_decode or paged_gqa"
       gpu_tests "$stage-quest" test/test_quest_pages.py ;;
@@ -213,6 +226,14 @@ for stage in "$@"; do
         --batches 4 --pool 540672 --methods quest --tune quest --kv-splits 64 --start-timeout 330 \
         --out "$OUT/long_matched_128k_compile_quest_b4.json" -- --cuda-graph-bs-decode 4 \
         --enable-torch-compile --torch-compile-max-bs 4 2>&1 | tee "$OUT/$stage.txt" ;;
+    matched128k-compile-kv-b4|matched128k-compile-kv-b1)  # issue 15: compiled dense and compiled Quest (one page
+      # set per KV head) in one run, one capture size each; dense first, so Quest's server finds the matmul
+      # autotuning of the same shapes in inductor's on-disk cache
+      b=${stage##*-b}; pool=$((135168 * (b < 2 ? 2 : b)))  # 270,336 at batch 1, as in -quest-b1
+      python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 131072 --output-len 64 \
+        --batches "$b" --pool "$pool" --methods dense quest-kv --tune dense quest-kv --kv-splits 64 \
+        --start-timeout 480 --out "$OUT/long_matched_128k_compile_kv_b$b.json" -- --cuda-graph-bs-decode "$b" \
+        --enable-torch-compile --torch-compile-max-bs "$b" 2>&1 | tee "$OUT/$stage.txt" ;;
     capacity-online|capacity-online-rest)  # issue 16's table: 49,152-token pool, 8,192-token prefill chunks
       # (all five did not fit one call, 2026-12-03: -rest runs the three the first call's 560 s cut)
       if [ "$stage" = capacity-online ]; then ms=(dense h2o skipkv snapkv rkv); else ms=(snapkv skipkv rkv); fi

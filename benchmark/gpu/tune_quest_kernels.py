@@ -6,7 +6,7 @@ with ``--page-size 16``) and their per-page key summaries. Each stage of a spars
 (``QuestRuntime.decode_view_tensors`` + the paged kernel):
 
 - ``quest_page_scores_paged``  ``block_p`` x ``num_warps``
-- ``select_top``               ``method`` (bits / radix) x ``num_warps`` x ``chunk``, over the
+- ``select_top``               ``method`` (bits / radix / nibble) x ``num_warps`` x ``chunk``, over the
   ``B x Hq`` rows of per-query-head selection and (``select_top_kv``) the ``B x Hkv`` rows of
   ``kv_head`` selection; the table keys selection by its number of rows
 - ``paged_sparse_decode_attention``  ``num_splits`` x ``block_n`` x ``num_warps`` x variant
@@ -65,12 +65,14 @@ def grids(quick: bool) -> dict:
     """Config grids per stage; ``{}`` (the built-in heuristics) first: the baseline."""
     if quick:
         return {"quest_page_scores_paged": [{}, dict(block_p=16, num_warps=2)],
-                "select_top": [{}, dict(method="radix")], "select_top_kv": [{}, dict(method="radix")],
+                "select_top": [{}, dict(method="radix"), dict(method="nibble")],
+                "select_top_kv": [{}, dict(method="radix"), dict(method="nibble")],
                 "paged_sparse_decode_attention": [{}, dict(num_splits=2, block_n=16, num_warps=2, **ATTN_VARIANTS["prefetch"]),
                                                   dict(num_splits=2, block_n=16, **ATTN_VARIANTS["stages2"])],
                 "paged_gqa_decode_attention": [{}, dict(num_splits=2, block_n=16, num_warps=2)]}
     scores = [{}] + [dict(block_p=p, num_warps=w) for p in (16, 32, 64, 128) for w in (2, 4, 8)]
-    select = [{}] + [dict(method=m, num_warps=w, chunk=c) for m in ("bits", "radix") for w in (8, 16, 32)
+    select = [{}] + [dict(method=m, num_warps=w, chunk=c) for m in ("bits", "radix", "nibble")
+                     for w in (8, 16, 32)
                      for c in (1024, 4096)]
     attn = [{}] + [dict(num_splits=s, block_n=bn, num_warps=w, **ATTN_VARIANTS[v])
                    for v in ATTN_VARIANTS for s in (None, 8, 16, 32, 64) for bn in (16, 32, 64) for w in (4, 8)]

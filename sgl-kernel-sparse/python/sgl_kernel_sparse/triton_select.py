@@ -7,7 +7,8 @@ order, ties to the lower index, ``-1`` padding at the end where fewer than ``k``
 How: the row sits in registers; each fp32 is mapped to an int32 with the same order (negative
 floats get their 31 magnitude bits flipped). The k-th largest key ``T``, i.e. the largest ``T``
 with ``count(key >= T) >= k``, is found in an unsigned view of the keys either bit by bit from
-the top (``method="bits"``: 32 counting passes over the row) or a byte at a time
+the top (``method="bits"``: 32 counting passes over the row), 4 bits at a time
+(``method="nibble"``: 8 passes that count all 16 candidates of a nibble at once) or a byte at a time
 (``method="radix"``: 4 histogram passes). Then, in a second pass over chunks of the row, every
 key ``> T`` is taken, and of the keys ``== T`` the first ``k - count(key > T)`` in index order (a
 running prefix sum); a second running prefix sum gives each taken index its output position.
@@ -110,13 +111,46 @@ def _select_top_radix_kernel(S, OUT, P, K, s_s, s_o, BLOCK: tl.constexpr, CHUNK:
     _take_top(S, OUT, r, P, K, s_s, s_o, t, room, CHUNK, BLOCK_K)
 
 
-_KERNELS = {"bits": _select_top_kernel, "radix": _select_top_radix_kernel}
+@triton.jit
+def _select_top_nibble_kernel(S, OUT, P, K, s_s, s_o, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                              BLOCK_K: tl.constexpr, SCAN: tl.constexpr):
+    """Threshold 4 bits at a time: 8 counting passes, each counting all 16 digit candidates at once.
+
+    The bitwise kernel's 32 passes each end in a block-wide reduction, and at Quest's shapes (few
+    rows, 8K pages) those reductions, not the compares, set its time. Here pass p fixes nibble
+    ``7 - p`` of T (unsigned view, from the top): ``n[d] = count(key >= T | d << shift)`` for
+    every digit d in one sweep, T's nibble is the largest d with ``n[d] >= K`` -- the same greedy
+    choice as 4 bitwise passes, so the same T. The row is swept in ``SCAN``-key slices (loaded
+    again each pass, from L1/L2) into a ``[SCAN, 16]`` count that is reduced once per pass."""
+    r = tl.program_id(0).to(tl.int64)
+    digits = tl.arange(0, 16)
+    t_u = tl.zeros((), dtype=tl.int64)
+    for p in tl.static_range(8):
+        shift = 28 - 4 * p
+        cand = ((t_u | (digits.to(tl.int64) << shift)) - 2147483648).to(tl.int32)  # signed view
+        acc = tl.zeros((SCAN, 16), dtype=tl.int32)
+        for c in range(0, P, SCAN):
+            key, valid = _keys(S, r, s_s, c + tl.arange(0, SCAN), P)
+            acc += (valid[:, None] & (key[:, None] >= cand[None, :])).to(tl.int32)
+        n = tl.sum(acc, axis=0)
+        d = tl.max(tl.where(n >= K, digits, 0), axis=0)  # n[0] < K: fewer than K finite keys, d = 0
+        t_u = t_u | (d.to(tl.int64) << shift)
+    t = (t_u - 2147483648).to(tl.int32)
+    above = tl.zeros((SCAN,), dtype=tl.int32)
+    for c in range(0, P, SCAN):
+        key, valid = _keys(S, r, s_s, c + tl.arange(0, SCAN), P)
+        above += (valid & (key > t)).to(tl.int32)
+    room = K - tl.sum(above, axis=0)  # ties that fit, lowest index first
+    _take_top(S, OUT, r, P, K, s_s, s_o, t, room, CHUNK, BLOCK_K)
+
+
+_KERNELS = {"bits": _select_top_kernel, "radix": _select_top_radix_kernel, "nibble": _select_top_nibble_kernel}
 
 
 def select_top(scores: torch.Tensor, k: int, method=None, num_warps=None, chunk=None) -> torch.Tensor:
     """int64 ``[..., min(k, P)]``: see the module docstring. ``scores`` fp32, last dim contiguous.
-    ``method``: ``"bits"`` (32 counting passes, the default) or ``"radix"`` (4 histogram passes);
-    the same indices either way. Options left ``None`` come from the device's tuning table
+    ``method``: ``"bits"`` (32 counting passes, the default), ``"radix"`` (4 histogram passes) or
+    ``"nibble"`` (8 passes of 16 counts); the same indices every way. Options left ``None`` come from the device's tuning table
     (``tuning.py``, keyed by the number of rows), else the defaults."""
     check_device(scores)
     p = scores.shape[-1]
@@ -133,9 +167,11 @@ def select_top(scores: torch.Tensor, k: int, method=None, num_warps=None, chunk=
         if kernel is None:
             raise ValueError(f"select_top method {cfg['method']!r}: allowed {sorted(_KERNELS)}")
         block = pow2(p, 16)
+        warps = int(cfg["num_warps"] or max(4, min(16, block // 512)))
+        extra = {"SCAN": min(block, 32 * warps)} if kernel is _select_top_nibble_kernel else {}
         kernel[(rows.shape[0],)](
             rows, out, p, k, rows.stride(0), out.stride(0), BLOCK=block,
             CHUNK=min(block, pow2(cfg["chunk"] or 1024, 16)), BLOCK_K=pow2(k, 16),
-            num_warps=int(cfg["num_warps"] or max(4, min(16, block // 512))),
+            num_warps=warps, **extra,
         )
     return out.view(*scores.shape[:-1], k)

@@ -53,7 +53,7 @@ def _path_for(device: torch.device) -> Path | None:
 
 _POW2 = ("block_n", "block_p", "chunk", "num_warps")  # tile sizes and warps: powers of two
 _INTS = {"num_splits": 1, "num_warps": 1, "num_stages": 0, "block_n": 1, "block_p": 1, "chunk": 1}  # -> minimum
-_CHOICES = {"prefetch": (True, False), "method": ("bits", "radix")}
+_CHOICES = {"prefetch": (True, False), "method": ("bits", "radix", "nibble")}
 
 
 def _bad_option(name: str, value) -> bool:

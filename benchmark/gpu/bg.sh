@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Run GPU stages that together outlast one 10-minute device call.
+#
+# A process started in its own session (setsid) survives the call that started it while the
+# machine stays warm (it is given back after ~30 s idle), so:
+#   call 1:  bash benchmark/gpu/bg.sh start STAGE...   # starts run_all.sh in the background, then waits
+#   call 2+: bash benchmark/gpu/bg.sh wait             # waits again; every call copies the results to $OUT
+# Each call returns after BG_WAIT seconds (default 570) or as soon as the stages end, and prints
+# the tail of the log. Results accumulate in $BG_DIR (default /root/bg_out) and are copied to
+# $OUT on every call, so each call brings back everything so far. Make the next call at once:
+# the idle machine is given back within seconds, and the background run with it.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+BG_DIR=${BG_DIR:-/root/bg_out}
+OUT=${OUT:-/tmp/sglang_sparse_out}
+cmd=${1:-wait}; shift || true
+case $cmd in
+  start)
+    [ $# -gt 0 ] || { echo "usage: bg.sh start STAGE..." >&2; exit 2; }
+    if [ -f "$BG_DIR/pid" ] && kill -0 "$(cat "$BG_DIR/pid")" 2>/dev/null; then
+      echo "a background run is still going (pid $(cat "$BG_DIR/pid")): bg.sh wait" >&2; exit 1
+    fi
+    rm -rf "$BG_DIR"; mkdir -p "$BG_DIR"
+    OUT="$BG_DIR" setsid nohup bash -c 'bash benchmark/gpu/run_all.sh "$@"; echo "=== all stages ended rc=$?"' \
+      bg "$@" > "$BG_DIR/log" 2>&1 < /dev/null &
+    echo $! > "$BG_DIR/pid"
+    echo "started: $* (pid $(cat "$BG_DIR/pid"))" ;;
+  wait) ;;
+  *) echo "usage: bg.sh start STAGE... | bg.sh wait" >&2; exit 2 ;;
+esac
+[ -f "$BG_DIR/pid" ] || { echo "no background run here (a fresh machine?)" >&2; exit 1; }
+deadline=$((SECONDS + ${BG_WAIT:-570}))
+while [ $SECONDS -lt $deadline ] && kill -0 "$(cat "$BG_DIR/pid")" 2>/dev/null; do sleep 5; done
+mkdir -p "$OUT"; cp -r "$BG_DIR"/. "$OUT"/
+if kill -0 "$(cat "$BG_DIR/pid")" 2>/dev/null; then echo "--- still running"; else echo "--- ended"; fi
+grep -E '^(=== |matched|dense |quest|wrote|.*failed)' "$BG_DIR/log" | tail -40
+tail -c 3000 "$BG_DIR/log"
