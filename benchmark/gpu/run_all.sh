@@ -33,7 +33,7 @@
 #                   bits / radix x warps x chunk; attention: splits x block_n x warps x prefetch / pipelining),
 #                   then the whole layer default vs tuned; writes $OUT/<GPU name>.json (copy it to
 #                   sgl-kernel-sparse/python/sgl_kernel_sparse/configs/ and the server uses it) (~8 min, est.)
-#   tune-quest-serve  tune-quest at batch 4 / 1 (200 s cap); its table, exported as SGL_KERNEL_SPARSE_TUNING,
+#   tune-quest-serve  tune-quest at batch 4 / 1 (150 s cap); its table, exported as SGL_KERNEL_SPARSE_TUNING,
 #                   serves the stages after it in the same run_all.sh; then the selection kernels' GPU tests
 #   tests-tuned-kernels  the paged kernel's launch variants, the GQA kernel of --sparse-select-per kv_head and both
 #                   selection kernels == references on the GPU, and Quest's pages in a captured CUDA graph
@@ -155,7 +155,7 @@ for stage in "$@"; do
       # is exported as SGL_KERNEL_SPARSE_TUNING, so the servers of later stages of this run_all.sh launch
       # the tuned kernels; then the selection kernels' GPU tests
       timeout 400 python3 benchmark/gpu/tune_quest_kernels.py --batch 4 1 --ctx 131072 --budget 2048 \
-        --time-limit 200 --out "$OUT/quest_tuning_128k.json" --write-config-dir "$OUT" 2>&1 | tee "$OUT/$stage.txt"
+        --time-limit 150 --out "$OUT/quest_tuning_128k.json" --write-config-dir "$OUT" 2>&1 | tee "$OUT/$stage.txt"
       table=$(ls "$OUT"/NVIDIA_*.json 2>/dev/null | head -1)
       if [ -n "$table" ]; then export SGL_KERNEL_SPARSE_TUNING=$table; echo "tuning table for later stages: $table"; fi
       GPU_TEST_TIMEOUT=120 gpu_tests "$stage" test/test_sparse_kernels.py -k "select_top_methods" ;;
