@@ -72,7 +72,7 @@ def grids(quick: bool) -> dict:
                 "paged_gqa_decode_attention": [{}, dict(num_splits=2, block_n=16, num_warps=2)]}
     scores = [{}] + [dict(block_p=p, num_warps=w) for p in (16, 32, 64, 128) for w in (2, 4, 8)]
     select = [{}] + [dict(method=m, num_warps=w, chunk=c) for m in ("bits", "radix", "nibble")
-                     for w in (8, 16, 32)
+                     for w in (4, 8, 16, 32)
                      for c in (1024, 4096)]
     attn = [{}] + [dict(num_splits=s, block_n=bn, num_warps=w, **ATTN_VARIANTS[v])
                    for v in ATTN_VARIANTS for s in (None, 8, 16, 32, 64) for bn in (16, 32, 64) for w in (4, 8)]

@@ -168,7 +168,8 @@ def select_top(scores: torch.Tensor, k: int, method=None, num_warps=None, chunk=
             raise ValueError(f"select_top method {cfg['method']!r}: allowed {sorted(_KERNELS)}")
         block = pow2(p, 16)
         warps = int(cfg["num_warps"] or max(4, min(16, block // 512)))
-        extra = {"SCAN": min(block, 32 * warps)} if kernel is _select_top_nibble_kernel else {}
+        # nibble: [SCAN, 16] int32 counts in registers, 16-32 per thread
+        extra = {"SCAN": min(block, max(256, 32 * warps))} if kernel is _select_top_nibble_kernel else {}
         kernel[(rows.shape[0],)](
             rows, out, p, k, rows.stride(0), out.stride(0), BLOCK=block,
             CHUNK=min(block, pow2(cfg["chunk"] or 1024, 16)), BLOCK_K=pow2(k, 16),
