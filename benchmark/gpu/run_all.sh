@@ -66,6 +66,7 @@
 #   matched128k-compile-kv-b4  compiled dense, then compiled Quest --sparse-select-per kv_head, batch 4 only,
 #                   both at 64 splits, one run (~12 min, est.: longer than one call, see benchmark/gpu/bg.sh)
 #   matched128k-compile-kv-b1  the same at batch 1 (270,336-token pool, one prompt) (~9 min, est.)
+#   matched128k-compile-kv-b12  the same at batch 1 and 2, one server each (fits an H100) (~15 min, est.)
 #   agent-replay-dense / -evict  issue 16's agent replay (8B shape, 32 sessions x 4 turns, 4K system,
 #                   2K tool outputs, 98,304-token pool): dense + radix over 8 / 16 splits in the
 #                   first call; SnapKV, H2O and R-KV (budget 2,048) + Chain Cache in the second
@@ -226,14 +227,16 @@ for stage in "$@"; do
         --batches 4 --pool 540672 --methods quest --tune quest --kv-splits 64 --start-timeout 330 \
         --out "$OUT/long_matched_128k_compile_quest_b4.json" -- --cuda-graph-bs-decode 4 \
         --enable-torch-compile --torch-compile-max-bs 4 2>&1 | tee "$OUT/$stage.txt" ;;
-    matched128k-compile-kv-b4|matched128k-compile-kv-b1)  # issue 15: compiled dense and compiled Quest (one page
-      # set per KV head) in one run, one capture size each; dense first, so Quest's server finds the matmul
-      # autotuning of the same shapes in inductor's on-disk cache
-      b=${stage##*-b}; pool=$((135168 * (b < 2 ? 2 : b)))  # 270,336 at batch 1, as in -quest-b1
+    matched128k-compile-kv-b4|matched128k-compile-kv-b1|matched128k-compile-kv-b12)  # issue 15: compiled dense
+      # and compiled Quest (one page set per KV head) in one run, capturing only the batches measured; dense
+      # first, so Quest's server finds the matmul autotuning of the same shapes in inductor's on-disk cache.
+      # -b12: batches 1 and 2 (270,336-token pool: fits an H100 next to the 8B weights)
+      b=${stage##*-b}; [ "$b" = 12 ] && bs=(1 2) || bs=("$b")
+      pool=$((135168 * (b == 4 ? 4 : 2)))  # 270,336 at batch 1 / 2, as in -quest-b1
       python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 131072 --output-len 64 \
-        --batches "$b" --pool "$pool" --methods dense quest-kv --tune dense quest-kv --kv-splits 64 \
-        --start-timeout 480 --out "$OUT/long_matched_128k_compile_kv_b$b.json" -- --cuda-graph-bs-decode "$b" \
-        --enable-torch-compile --torch-compile-max-bs "$b" 2>&1 | tee "$OUT/$stage.txt" ;;
+        --batches "${bs[@]}" --pool "$pool" --methods dense quest-kv --tune dense quest-kv --kv-splits 64 \
+        --start-timeout 480 --out "$OUT/long_matched_128k_compile_kv_b$b.json" -- --cuda-graph-bs-decode "${bs[@]}" \
+        --enable-torch-compile --torch-compile-max-bs "${bs[-1]}" 2>&1 | tee "$OUT/$stage.txt" ;;
     capacity-online|capacity-online-rest)  # issue 16's table: 49,152-token pool, 8,192-token prefill chunks
       # (all five did not fit one call, 2026-12-03: -rest runs the three the first call's 560 s cut)
       if [ "$stage" = capacity-online ]; then ms=(dense h2o skipkv snapkv rkv); else ms=(snapkv skipkv rkv); fi
