@@ -35,6 +35,7 @@
 #                   sgl-kernel-sparse/python/sgl_kernel_sparse/configs/ and the server uses it) (~8 min, est.)
 #   tune-quest-serve  tune-quest at batch 4 / 1 (150 s cap); its table, exported as SGL_KERNEL_SPARSE_TUNING,
 #                   serves the stages after it in the same run_all.sh; then the selection kernels' GPU tests
+#   tune-select     the selection stages of tune-quest alone (bits / radix / nibble) (~2 min, est.)
 #   tests-tuned-kernels  the paged kernel's launch variants, the GQA kernel of --sparse-select-per kv_head and both
 #                   selection kernels == references on the GPU, and Quest's pages in a captured CUDA graph
 #   capacity  8B shape, 32K in / 2K out: largest resident batch, dense vs SnapKV(2048)   ~7 min
@@ -160,6 +161,10 @@ for stage in "$@"; do
       table=$(ls "$OUT"/NVIDIA_*.json 2>/dev/null | head -1)
       if [ -n "$table" ]; then export SGL_KERNEL_SPARSE_TUNING=$table; echo "tuning table for later stages: $table"; fi
       GPU_TEST_TIMEOUT=120 gpu_tests "$stage" test/test_sparse_kernels.py -k "select_top_methods" ;;
+    tune-select)  # issue 15: the selection kernels alone (bits / radix / nibble), batch 4 and 1, and the layer
+      timeout 230 python3 benchmark/gpu/tune_quest_kernels.py --batch 4 1 --ctx 131072 --budget 2048 \
+        --stages select_top select_top_kv --time-limit 160 --out "$OUT/quest_tuning_select_128k.json" \
+        2>&1 | tee "$OUT/$stage.txt" ;;
     tests-tuned-kernels)
       gpu_tests "$stage" test/test_sparse_kernels.py -k "launch_variants or select_top_methods or paged_decode or paged_gqa"
       gpu_tests "$stage-quest" test/test_quest_pages.py ;;

@@ -237,6 +237,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--time-limit", type=float, default=480, help="seconds; stop sweeping after this")
     ap.add_argument("--quick", action="store_true", help="a few configs per stage")
+    ap.add_argument("--stages", nargs="+", default=None,
+                    help="sweep only these stages (the others keep their defaults: {} only)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--write-config", default=None, help="write the best configs as a tuning table here")
     ap.add_argument("--write-config-dir", default=None,
@@ -256,6 +258,11 @@ def main() -> int:
     deadline = time.monotonic() + args.time_limit
     n_sel = max(3, args.budget // PAGE)
     grid = grids(args.quick)
+    if args.stages:
+        unknown = sorted(set(args.stages) - set(grid))
+        if unknown:
+            ap.error(f"--stages {unknown}: allowed {sorted(grid)}")
+        grid = {k: (v if k in args.stages else [{}]) for k, v in grid.items()}
     result = dict(settings=vars(args), device=torch.cuda.get_device_name() if cuda else "cpu (interpreter)",
                   torch=torch.__version__, batches={})
     try:
