@@ -163,7 +163,7 @@ for stage in "$@"; do
       GPU_TEST_TIMEOUT=120 gpu_tests "$stage" test/test_sparse_kernels.py -k "select_top_methods" ;;
     tune-select)  # issue 15: the selection kernels alone (bits / radix / nibble), batch 4 and 1, and the layer
       timeout 230 python3 benchmark/gpu/tune_quest_kernels.py --batch 4 1 --ctx 131072 --budget 2048 \
-        --stages select_top select_top_kv --time-limit 160 --out "$OUT/quest_tuning_select_128k.json" \
+        --stages select_top select_top_kv --time-limit "${TUNE_LIMIT:-160}" --out "$OUT/quest_tuning_select_128k.json" \
         2>&1 | tee "$OUT/$stage.txt" ;;
     tests-tuned-kernels)
       gpu_tests "$stage" test/test_sparse_kernels.py -k "launch_variants or select_top_methods or paged_decode or paged_gqa"
