@@ -71,7 +71,7 @@ def grids(quick: bool) -> dict:
                                                   dict(num_splits=2, block_n=16, **ATTN_VARIANTS["stages2"])],
                 "paged_gqa_decode_attention": [{}, dict(num_splits=2, block_n=16, num_warps=2)]}
     scores = [{}] + [dict(block_p=p, num_warps=w) for p in (16, 32, 64, 128) for w in (2, 4, 8)]
-    select = [{}] + [dict(method=m, num_warps=w, chunk=c) for m in ("bits", "radix", "nibble")
+    select = [{}] + [dict(method=m, num_warps=w, chunk=c) for m in ("nibble", "bits", "radix")
                      for w in (4, 8, 16, 32)
                      for c in (1024, 4096)]
     attn = [{}] + [dict(num_splits=s, block_n=bn, num_warps=w, **ATTN_VARIANTS[v])
