@@ -40,6 +40,7 @@
 #                   selection kernels == references on the GPU, and Quest's pages in a captured CUDA graph
 #   capacity  8B shape, 32K in / 2K out: largest resident batch, dense vs SnapKV(2048)   ~7 min
 #   capacity393k  the same at a 393,216-token pool: SnapKV (batch 89), then dense over 16/32 splits ~9.5 min
+#   capacity393k-rkv  R-KV (166 resident) then dense (16 splits) at the 393,216 pool, through bg.sh (~20 min, est.)
 #   capacity-eviction  R-KV, SnapKV and dense (16 splits) at a 98,304-token pool               ~6 min
 #   capacity-kvzip  KVzip's kernel test, then KVzip (probe at 32K: 65K rows while it runs), dense
 #                   (16 / 64 splits), SnapKV, 98,304 pool (~8 min, est.)
@@ -208,6 +209,14 @@ for stage in "$@"; do
         --prompt-len 32768 --output-len 2048 --methods snapkv dense --tune dense --kv-splits 16 32 \
         --timeout 400 --out long_capacity_32k_393k.json \
         -- --cuda-graph-bs-decode 1 2 4 8 11 16 32 64 96 2>&1 | tee "$OUT/$stage.txt" ;;
+    capacity393k-rkv)  # issue 15's capacity at its pool with a method that also bounds its decoded rows:
+      # R-KV holds at most budget + interval rows, so (393,216 - 32,768) // 2,176 + 1 = 166 requests resident
+      # against dense's 11 (SnapKV compresses only the prompt: 89). 166 32K prefills at ~5-9 s each outlast one
+      # call: run it through bg.sh (~20 min, est.). Dense at 16 splits, the best of capacity393k's sweep.
+      python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 393216 \
+        --prompt-len 32768 --output-len 2048 --methods rkv dense --tune dense --kv-splits 16 \
+        --timeout 1500 --out "$OUT/long_capacity_32k_393k_rkv.json" \
+        -- --cuda-graph-bs-decode 1 2 4 8 11 16 32 64 128 166 2>&1 | tee "$OUT/$stage.txt" ;;
     tests-skipkv)
       gpu_tests "$stage" test/test_gpu_server.py -k "online and skipkv" ;;
     capacity-eviction)  # issue 16: R-KV next to SnapKV and dense at a 98,304-token pool, one run
