@@ -412,8 +412,9 @@ def case_select_top_radix_equals_bits(T):
     s[4] = float("-inf")
     for k in (1, 128, 200, 3000):
         want = R.quest_select_pages(s.view(1, 5, -1), k).long()[0]
-        for method, warps in (("bits", None), ("radix", None), ("nibble", None), ("nibble", 1)):
-            got = T.select_top(s, k, method=method, num_warps=warps)  # 1 warp: 32-key slices, a ragged last one
+        for method, warps in (("bits", None), ("radix", None), ("nibble", None), ("nibble", 16)):
+            # nibble sweeps 256 (default warps) or 512 (16 warps) keys at a time: a ragged last slice of 2,100
+            got = T.select_top(s, k, method=method, num_warps=warps)
             assert torch.equal(got, want), (method, warps, k)
     try:
         T.select_top(s, 4, method="heap")
@@ -905,6 +906,11 @@ def test_gpu_select_top_methods(method):
     for warps, chunk in ((None, None), (4, 1024), (8, 1024), (16, 4096), (32, 1024)):
         got = T.select_top(s.view(4, 32, -1).cuda(), 128, method=method, num_warps=warps, chunk=chunk)
         assert torch.equal(got, want), (warps, chunk)
+    ragged = torch.randn(8, 8200, generator=g)  # 8,200 pages (131,200-token context): no slice size divides it
+    ragged[1] = ragged[1].to(torch.bfloat16).float()  # ties
+    want = R.quest_select_pages(ragged.reshape(1, 8, -1), 128).long()[0].cuda()
+    for warps in (None, 4, 16, 32):
+        assert torch.equal(T.select_top(ragged.cuda(), 128, method=method, num_warps=warps), want), warps
 
 
 @pytest.mark.gpu

@@ -6,7 +6,8 @@
 #   call 1:  bash benchmark/gpu/bg.sh start STAGE...   # starts run_all.sh in the background, then waits
 #   call 2+: bash benchmark/gpu/bg.sh wait             # waits again; every call copies the results to $OUT
 # Each call returns after BG_WAIT seconds (default 570) or as soon as the stages end, and prints
-# the tail of the log. Results accumulate in $BG_DIR (default /root/bg_out) and are copied to
+# the tail of the log. The stages run from a snapshot of the checkout taken at start
+# ($BG_DIR/src). Results accumulate in $BG_DIR (default /root/bg_out) and are copied to
 # $OUT on every call, so each call brings back everything so far. Make the next call at once:
 # the idle machine is given back within seconds, and the background run with it.
 set -uo pipefail
@@ -20,9 +21,15 @@ case $cmd in
     if [ -f "$BG_DIR/pid" ] && kill -0 "$(cat "$BG_DIR/pid")" 2>/dev/null; then
       echo "a background run is still going (pid $(cat "$BG_DIR/pid")): bg.sh wait" >&2; exit 1
     fi
-    rm -rf "$BG_DIR"; mkdir -p "$BG_DIR"
-    OUT="$BG_DIR" setsid nohup bash -c 'bash benchmark/gpu/run_all.sh "$@"; echo "=== all stages ended rc=$?"' \
-      bg "$@" > "$BG_DIR/log" 2>&1 < /dev/null &
+    [ -d "$BG_DIR" ] && { rm -rf "$BG_DIR.prev"; mv "$BG_DIR" "$BG_DIR.prev"; }  # an earlier run's results
+    mkdir -p "$BG_DIR/src"
+    # run from a snapshot: every later device call re-sends the working tree, and a stage that starts
+    # after an edit here would otherwise run the edited code (.gpu / .gpumodel are linked, not copied)
+    tar --exclude=./.git --exclude=./.venv --exclude=./.gpu --exclude=./.gpumodel -cf - . | tar -xf - -C "$BG_DIR/src"
+    ln -s "$PWD/.gpu" "$BG_DIR/src/.gpu"; ln -s "$PWD/.gpumodel" "$BG_DIR/src/.gpumodel"
+    git rev-parse HEAD > "$BG_DIR/commit" 2>/dev/null || echo "no git here" > "$BG_DIR/commit"
+    OUT="$BG_DIR" setsid nohup bash -c 'bash "$0"/benchmark/gpu/run_all.sh "$@"; echo "=== all stages ended rc=$?"' \
+      "$BG_DIR/src" "$@" > "$BG_DIR/log" 2>&1 < /dev/null &
     echo $! > "$BG_DIR/pid"
     echo "started: $* (pid $(cat "$BG_DIR/pid"))" ;;
   wait) ;;
@@ -31,7 +38,7 @@ esac
 [ -f "$BG_DIR/pid" ] || { echo "no background run here (a fresh machine?)" >&2; exit 1; }
 deadline=$((SECONDS + ${BG_WAIT:-570}))
 while [ $SECONDS -lt $deadline ] && kill -0 "$(cat "$BG_DIR/pid")" 2>/dev/null; do sleep 5; done
-mkdir -p "$OUT"; cp -r "$BG_DIR"/. "$OUT"/
+mkdir -p "$OUT"; (cd "$BG_DIR" && cp -r $(ls -A | grep -vx src) "$OUT"/)
 if kill -0 "$(cat "$BG_DIR/pid")" 2>/dev/null; then echo "--- still running"; else echo "--- ended"; fi
 grep -E '^(=== |matched|dense |quest|wrote|.*failed)' "$BG_DIR/log" | tail -40
 tail -c 3000 "$BG_DIR/log"

@@ -36,7 +36,7 @@
 #   tune-quest-serve  tune-quest at batch 4 / 1 (150 s cap); its table, exported as SGL_KERNEL_SPARSE_TUNING,
 #                   serves the stages after it in the same run_all.sh; then the selection kernels' GPU tests
 #   tune-select     the selection stages of tune-quest alone (bits / radix / nibble) (~2 min, est.)
-#   tests-tuned-kernels  the paged kernel's launch variants, the GQA kernel of --sparse-select-per kv_head and both
+#   tests-tuned-kernels  the paged kernel's launch variants, the GQA kernel of --sparse-select-per kv_head and the three
 #                   selection kernels == references on the GPU, and Quest's pages in a captured CUDA graph
 #   capacity  8B shape, 32K in / 2K out: largest resident batch, dense vs SnapKV(2048)   ~7 min
 #   capacity393k  the same at a 393,216-token pool: SnapKV (batch 89), then dense over 16/32 splits ~9.5 min
@@ -159,12 +159,14 @@ for stage in "$@"; do
       # the tuned kernels; then the selection kernels' GPU tests
       timeout 400 python3 benchmark/gpu/tune_quest_kernels.py --batch 4 1 --ctx 131072 --budget 2048 \
         --time-limit 150 --out "$OUT/quest_tuning_128k.json" --write-config-dir "$OUT" 2>&1 | tee "$OUT/$stage.txt"
-      table=$(ls "$OUT"/NVIDIA_*.json 2>/dev/null | head -1)
+      table=$OUT/$(python3 -c 'import torch; from sgl_kernel_sparse import tuning
+print(tuning.config_name(torch.cuda.get_device_name()))')
+      [ -f "$table" ] || table=
       if [ -n "$table" ]; then export SGL_KERNEL_SPARSE_TUNING=$table; echo "tuning table for later stages: $table"; fi
       GPU_TEST_TIMEOUT=120 gpu_tests "$stage" test/test_sparse_kernels.py -k "select_top_methods" ;;
     tune-select)  # issue 15: the selection kernels alone (bits / radix / nibble), batch 4 and 1, and the layer
-      timeout 230 python3 benchmark/gpu/tune_quest_kernels.py --batch 4 1 --ctx 131072 --budget 2048 \
-        --stages select_top select_top_kv --time-limit "${TUNE_LIMIT:-160}" --out "$OUT/quest_tuning_select_128k.json" \
+      timeout $((${TUNE_LIMIT:-160} + 90)) python3 benchmark/gpu/tune_quest_kernels.py --batch 4 1 --ctx 131072 \
+        --budget 2048 --stages select_top select_top_kv --time-limit "${TUNE_LIMIT:-160}" --out "$OUT/quest_tuning_select_128k.json" \
         2>&1 | tee "$OUT/$stage.txt" ;;
     tests-tuned-kernels)
       gpu_tests "$stage" test/test_sparse_kernels.py -k "launch_variants or select_top_methods or paged_decode or paged_gqa"
@@ -215,7 +217,7 @@ for stage in "$@"; do
       # call: run it through bg.sh (~20 min, est.). Dense at 16 splits, the best of capacity393k's sweep.
       python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 393216 \
         --prompt-len 32768 --output-len 2048 --methods rkv dense --tune dense --kv-splits 16 \
-        --timeout 1500 --out "$OUT/long_capacity_32k_393k_rkv.json" \
+        --timeout 2400 --out "$OUT/long_capacity_32k_393k_rkv.json" \
         -- --cuda-graph-bs-decode 1 2 4 8 11 16 32 64 128 166 2>&1 | tee "$OUT/$stage.txt" ;;
     tests-skipkv)
       gpu_tests "$stage" test/test_gpu_server.py -k "online and skipkv" ;;

@@ -235,7 +235,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8, help="distinct layers per timed graph (8 x 34 MB > L2)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--time-limit", type=float, default=480, help="seconds; stop sweeping after this")
+    ap.add_argument("--time-limit", type=float, default=480,
+                    help="seconds of sweeping, shared evenly by the swept stages of every batch (a stage "
+                         "stops adding configs when its share is spent; those it has are still timed)")
     ap.add_argument("--quick", action="store_true", help="a few configs per stage")
     ap.add_argument("--stages", nargs="+", default=None,
                     help="sweep only these stages (the others keep their defaults: {} only)")
@@ -255,14 +257,16 @@ def main() -> int:
                   file=sys.stderr)
             return 2
     dev, dt = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    deadline = time.monotonic() + args.time_limit
     n_sel = max(3, args.budget // PAGE)
     grid = grids(args.quick)
     if args.stages:
         unknown = sorted(set(args.stages) - set(grid))
         if unknown:
             ap.error(f"--stages {unknown}: allowed {sorted(grid)}")
+        if args.write_config or args.write_config_dir:  # its {} for every other stage would drop their entries
+            ap.error("--stages writes no tuning table: leave out --write-config / --write-config-dir")
         grid = {k: (v if k in args.stages else [{}]) for k, v in grid.items()}
+    share = args.time_limit / max(1, len(args.batch) * sum(len(c) > 1 for c in grid.values()))
     result = dict(settings=vars(args), device=torch.cuda.get_device_name() if cuda else "cpu (interpreter)",
                   torch=torch.__version__, batches={})
     try:
@@ -284,7 +288,7 @@ def main() -> int:
         res = {}
         best = {}
         for stage, configs in grid.items():
-            rows, top = sweep_stage(stage, configs, st, args, cuda, deadline)
+            rows, top = sweep_stage(stage, configs, st, args, cuda, time.monotonic() + share)
             res[stage] = rows
             best[stage] = top["config"]
             base = rows[0].get("us")
@@ -302,6 +306,7 @@ def main() -> int:
             layer[name] = statistics.median(time_us(run, args.reps, cuda) for _ in range(args.rounds)) / len(layers)
         print(f"batch {b} one sparse layer (us): " + ", ".join(f"{k} {v:.1f}" for k, v in layer.items()), flush=True)
         result["batches"][str(b)] = dict(stages=res, best=best, layer_us=layer)
+        Path(args.out).write_text(json.dumps(result, indent=1))  # after every batch: a cut run keeps the rest
         del layers, scores, scores_kv, picked, picked_kv, st
         if cuda:
             torch.cuda.empty_cache()
