@@ -790,7 +790,8 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     assert kernels == {"_decode_partial_kernel", "_decode_reduce_kernel", "_rows_tail_partial_kernel",
                        "_token_logits_kernel",
                        "_quest_scores_kernel", "_fold_decode_keys_kernel", "_select_top_kernel",
-                       "_select_top_radix_kernel", "_select_top_nibble_kernel", "_paged_gqa_partial_kernel", "_snapkv_lse_kernel", "_snapkv_score_kernel",
+                       "_select_top_radix_kernel", "_select_top_nibble_kernel", "_paged_gqa_partial_kernel",
+                       "_snapkv_lse_kernel", "_snapkv_score_kernel",
                        "_copy_rows_kernel"}
 
 
