@@ -30,7 +30,7 @@
 #   kernels-quest128k-sweep  the paged attention at 128K over block_n x num_splits (choose its 128K default)
 #   tune-quest      issue 15: Quest's served decode stages at 128K, batch 4 / 1 / 2 (4 first: the 2.5x target), each timed as CUDA-graph
 #                   replays over 8 distinct layers for every launch option (scores: block_p x warps; selection:
-#                   bits / radix x warps x chunk; attention: splits x block_n x warps x prefetch / pipelining),
+#                   bits / nibble / radix x warps x chunk; attention: splits x block_n x warps x prefetch / pipelining),
 #                   then the whole layer default vs tuned; writes $OUT/<GPU name>.json (copy it to
 #                   sgl-kernel-sparse/python/sgl_kernel_sparse/configs/ and the server uses it) (~8 min, est.)
 #   tune-quest-serve  tune-quest at batch 4 / 1 (150 s cap); its table, exported as SGL_KERNEL_SPARSE_TUNING,

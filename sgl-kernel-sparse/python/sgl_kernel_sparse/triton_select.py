@@ -150,8 +150,8 @@ _KERNELS = {"bits": _select_top_kernel, "radix": _select_top_radix_kernel, "nibb
 def select_top(scores: torch.Tensor, k: int, method=None, num_warps=None, chunk=None) -> torch.Tensor:
     """int64 ``[..., min(k, P)]``: see the module docstring. ``scores`` fp32, last dim contiguous.
     ``method``: ``"bits"`` (32 counting passes, the default), ``"radix"`` (4 histogram passes) or
-    ``"nibble"`` (8 passes of 16 counts); the same indices every way. Options left ``None`` come from the device's tuning table
-    (``tuning.py``, keyed by the number of rows), else the defaults."""
+    ``"nibble"`` (8 passes of 16 counts); the same indices every way. Options left ``None`` come
+    from the device's tuning table (``tuning.py``, keyed by the number of rows), else the defaults."""
     check_device(scores)
     p = scores.shape[-1]
     k = min(int(k), p)
