@@ -153,3 +153,29 @@ def test_quest_kv_variant_is_a_valid_gpu_server_with_one_page_set_per_kv_head():
     config, argv = sparse_config(["--model-path", "m", "--device", "cuda", *B.GPU_FLAGS, *flags], log=lambda m: None)
     assert config["method"] == "quest" and config["options"]["select_per"] == "kv_head"
     assert config["options"]["token_budget"] == 2048 and argv[argv.index("--page-size") + 1] == "16"
+
+
+def test_long_context_json_names_the_kernel_table_and_is_written_after_every_server(tmp_path, monkeypatch):
+    """The servers inherit ``SGL_KERNEL_SPARSE_TUNING``; the JSON says which table they ran with,
+    and a run cut after its first server (the second never returns) keeps that server's figures."""
+    import json
+
+    def fake_run(name, args, extra, batches, prompts, save, splits=None):
+        if name == "quest":
+            raise SystemExit("cut")  # a kill, not an error the bench records
+        return {str(b): {"decode_tok_s": 10.0 * b, "peak_running": b} for b in batches}
+
+    monkeypatch.setattr(B, "run_variant", fake_run)
+    monkeypatch.setattr(B, "make_prompts", lambda n, length, seed=0: [[1] * 4] * n)
+    monkeypatch.setenv("SGL_KERNEL_SPARSE_TUNING", "/tables/NVIDIA_H200.json")
+    out = tmp_path / "matched.json"  # absolute: RESULTS / out is out
+    monkeypatch.setattr(sys, "argv", ["bench_long_context.py", "matched", "--model-path", "m",
+                                      "--methods", "dense", "quest", "--batches", "1", "4", "--out", str(out)])
+    try:
+        B.main()
+    except SystemExit:
+        pass
+    body = json.loads(out.read_text())
+    assert body["kernel_tuning_table"] == "/tables/NVIDIA_H200.json"
+    assert body["results"] == {"dense": {"1": {"decode_tok_s": 10.0, "peak_running": 1},
+                                         "4": {"decode_tok_s": 40.0, "peak_running": 4}}}

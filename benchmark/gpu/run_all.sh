@@ -161,8 +161,12 @@ for stage in "$@"; do
         --time-limit 150 --out "$OUT/quest_tuning_128k.json" --write-config-dir "$OUT" 2>&1 | tee "$OUT/$stage.txt"
       table=$OUT/$(python3 -c 'import torch; from sgl_kernel_sparse import tuning
 print(tuning.config_name(torch.cuda.get_device_name()))')
-      [ -f "$table" ] || table=
-      if [ -n "$table" ]; then export SGL_KERNEL_SPARSE_TUNING=$table; echo "tuning table for later stages: $table"; fi
+      # export it only if it holds an entry: tune_quest_kernels.py writes none for a path whose tuned layer
+      # was not faster than the defaults
+      [ -f "$table" ] && python3 -c 'import json, sys; sys.exit(not any(k[0] != "_" for k in json.load(open(sys.argv[1]))))' \
+        "$table" || table=
+      if [ -n "$table" ]; then export SGL_KERNEL_SPARSE_TUNING=$table; echo "tuning table for later stages: $table"
+      else echo "no tuning table for later stages: none written, or nothing in it beat the defaults"; fi
       GPU_TEST_TIMEOUT=120 gpu_tests "$stage" test/test_sparse_kernels.py -k "select_top_methods" ;;
     tune-select)  # issue 15: the selection kernels alone (bits / radix / nibble), batch 4 and 1, and the layer
       timeout $((${TUNE_LIMIT:-160} + 90)) python3 benchmark/gpu/tune_quest_kernels.py --batch 4 1 --ctx 131072 \

@@ -27,7 +27,9 @@ selection over ``B x Hkv`` rows, the GQA kernel).
 
 ``--write-config F`` writes the best configs in ``sgl_kernel_sparse.tuning``'s format
 (``--write-config-dir D``: to ``D/<this GPU's config name>``, e.g. ``NVIDIA_H200.json``); copy it
-to ``sgl-kernel-sparse/python/sgl_kernel_sparse/configs/`` to make the server use it.
+to ``sgl-kernel-sparse/python/sgl_kernel_sparse/configs/`` to make the server use it. A batch's
+entries for a path (per query head / per KV head) are written only if that whole tuned layer
+measured faster than the defaults (``table_entries``; ``_meta.dropped`` says what was left out).
 ``--time-limit`` stops the sweep (what is measured is kept and written) before a call's limit.
 
     python3 benchmark/gpu/tune_quest_kernels.py --batch 1 2 4 --ctx 131072 --budget 2048 \\
@@ -223,6 +225,45 @@ def sweep_stage(stage, configs, st, args, cuda, deadline):
     return rows, best
 
 
+# The two served paths of a sparse layer: the kernels each runs and where the table keys them
+# (selection by its rows, B x Hq per query head or B x Hkv per KV head; the rest by the batch).
+PATHS = {"head": (("quest_page_scores_paged", "quest_page_scores_paged", 1),
+                  ("select_top", "select_top", HQ),
+                  ("paged_sparse_decode_attention", "paged_sparse_decode_attention", 1)),
+         "kv_head": (("quest_page_scores_paged", "quest_page_scores_paged", 1),
+                     ("select_top_kv", "select_top", HKV),
+                     ("paged_gqa_decode_attention", "paged_gqa_decode_attention", 1))}
+
+
+def table_entries(batches: dict) -> tuple[dict, list[str]]:
+    """The tuning table's kernel entries from each batch's per-stage best configs, kept only where
+    the whole sparse layer measured faster with them: a path (``head`` / ``kv_head``) whose tuned
+    layer is not faster than its defaults contributes nothing, and an entry that path shares with
+    the other (the page scores) goes too. Stages tuned in isolation can lose in the layer (L2 and
+    launch interplay), and an entry the server would pick up must not make it slower.
+
+    ``batches``: ``{str(batch): {"best": {stage: config}, "layer_us": {"head_default": us, ...}}}``.
+    Selection keys can coincide (batch 1 per query head and batch 4 per KV head are both 32 rows
+    of the same pages): the first batch's config that is kept wins. Returns (entries, reasons for
+    each dropped entry)."""
+    slower = {(b, path) for b, r in batches.items() for path in PATHS
+              if r["layer_us"][f"{path}_tuned"] >= r["layer_us"][f"{path}_default"]}
+    entries: dict = {}
+    dropped = []
+    for b, r in batches.items():
+        for path, kernels in PATHS.items():
+            for stage, kernel, rows_per_req in kernels:
+                key = str(int(b) * rows_per_req)
+                losers = [p for p in PATHS if (b, p) in slower and any(k[0] == stage for k in PATHS[p])]
+                if losers:
+                    dropped.append(f"{kernel}[{key}] (batch {b}, {stage}): the tuned layer per "
+                                   f"{' and '.join(losers)} was not faster than the defaults")
+                    continue
+                entries.setdefault(kernel, {}).setdefault(
+                    key, {k: v for k, v in r["best"][stage].items() if v is not None})
+    return entries, sorted(set(dropped))
+
+
 def fmt(cfg) -> str:
     return ",".join(f"{k}={v}" for k, v in cfg.items()) or "default"
 
@@ -246,6 +287,14 @@ def main() -> int:
     ap.add_argument("--write-config-dir", default=None,
                     help="write the tuning table into this folder, named for this GPU (tuning.config_name)")
     args = ap.parse_args()
+    grid = grids(args.quick)
+    if args.stages:  # checked before anything runs
+        unknown = sorted(set(args.stages) - set(grid))
+        if unknown:
+            ap.error(f"--stages {unknown}: allowed {sorted(grid)}")
+        if args.write_config or args.write_config_dir:  # its {} for every other stage would drop their entries
+            ap.error("--stages writes no tuning table: leave out --write-config / --write-config-dir")
+        grid = {k: (v if k in args.stages else [{}]) for k, v in grid.items()}
     os.environ[tuning.ENV] = "none"  # "default" = the built-in heuristics, not a packaged table
     tuning.clear_cache()
     cuda = torch.cuda.is_available()
@@ -258,14 +307,6 @@ def main() -> int:
             return 2
     dev, dt = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     n_sel = max(3, args.budget // PAGE)
-    grid = grids(args.quick)
-    if args.stages:
-        unknown = sorted(set(args.stages) - set(grid))
-        if unknown:
-            ap.error(f"--stages {unknown}: allowed {sorted(grid)}")
-        if args.write_config or args.write_config_dir:  # its {} for every other stage would drop their entries
-            ap.error("--stages writes no tuning table: leave out --write-config / --write-config-dir")
-        grid = {k: (v if k in args.stages else [{}]) for k, v in grid.items()}
     share = args.time_limit / max(1, len(args.batch) * sum(len(c) > 1 for c in grid.values()))
     result = dict(settings=vars(args), device=torch.cuda.get_device_name() if cuda else "cpu (interpreter)",
                   torch=torch.__version__, batches={})
@@ -295,10 +336,6 @@ def main() -> int:
             print(f"batch {b} {stage:<31} default {base if base is None else round(base, 1)} us -> best "
                   f"{top.get('us', float('nan')):.1f} us ({fmt(top['config'])}); "
                   f"{sum(1 for r in rows if not r.get('ok'))} configs failed or disagreed", flush=True)
-            # selection is keyed by its rows (B x Hq, or B x Hkv for kv_head), the rest by the batch
-            kernel, key = {"select_top": ("select_top", b * HQ), "select_top_kv": ("select_top", b * HKV)}.get(
-                stage, (stage, b))
-            table_out.setdefault(kernel, {})[str(key)] = {k: v for k, v in top["config"].items() if v is not None}
         layer = {}
         for name, cfgs, per_kv in (("head_default", {s: {} for s in grid}, False), ("head_tuned", best, False),
                                    ("kv_head_default", {s: {} for s in grid}, True), ("kv_head_tuned", best, True)):
@@ -315,6 +352,11 @@ def main() -> int:
     targets = [Path(args.write_config)] if args.write_config else []
     if args.write_config_dir:
         targets.append(Path(args.write_config_dir) / tuning.config_name(result["device"]))
+    entries, dropped = table_entries(result["batches"])
+    table_out.update(entries)
+    table_out["_meta"]["dropped"] = dropped
+    for d in dropped:
+        print(f"not in the table: {d}")
     for path in targets:
         path.write_text(json.dumps(table_out, indent=1))
         print(f"wrote {path}")

@@ -1,0 +1,78 @@
+"""``benchmark/gpu/bg.sh``, the runner of GPU stages longer than one device call, on a stand-in
+``run_all.sh`` (no GPU): ``start`` runs the stages from a snapshot of the checkout in their own
+session and returns after ``BG_WAIT`` seconds; a second ``start`` while they run is refused;
+``wait`` waits again and copies everything so far to ``$OUT``; a new ``start`` keeps the previous
+results in ``$BG_DIR.prev``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# each stage waits for a file named after it in $GATE (so the test decides when the run ends, with
+# no timing assumption), then writes its result into $OUT as run_all.sh's stages do
+STAND_IN = """#!/usr/bin/env bash
+for stage in "$@"; do
+  while [ ! -e "$GATE/$stage" ]; do sleep 0.1; done
+  echo "{VERSION} $stage" > "$OUT/$stage.txt"
+  echo "stage $stage done"
+done
+"""
+
+
+def checkout(tmp_path: Path, version: str) -> Path:
+    repo = tmp_path / "repo"
+    (repo / "benchmark" / "gpu").mkdir(parents=True, exist_ok=True)
+    shutil.copy(ROOT / "benchmark" / "gpu" / "bg.sh", repo / "benchmark" / "gpu" / "bg.sh")
+    (repo / "benchmark" / "gpu" / "run_all.sh").write_text(STAND_IN.replace("{VERSION}", version))
+    return repo
+
+
+def bg(repo: Path, env: dict, *args: str, wait: int) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(repo / "benchmark" / "gpu" / "bg.sh"), *args], cwd=repo,
+                          env=dict(env, BG_WAIT=str(wait)), capture_output=True, text=True, timeout=120)
+
+
+def test_bg_runs_stages_from_a_snapshot_across_calls(tmp_path):
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    try:
+        run_and_check(tmp_path, gate)
+    finally:  # a failed check leaves no stand-in stage waiting in the background
+        for stage in "abc":
+            (gate / stage).touch()
+
+
+def run_and_check(tmp_path: Path, gate: Path) -> None:
+    repo = checkout(tmp_path, "v1")
+    bg_dir = tmp_path / "bg"
+    env = dict(os.environ, GATE=str(gate), BG_DIR=str(bg_dir), OUT=str(tmp_path / "out1"))
+
+    assert bg(repo, env, "wait", wait=1).returncode == 1  # nothing started here yet
+    first = bg(repo, env, "start", "a", "b", wait=1)
+    assert first.returncode == 0 and "started: a b" in first.stdout and "--- still running" in first.stdout
+    again = bg(repo, env, "start", "c", wait=1)
+    assert again.returncode == 1 and "still going" in again.stderr
+
+    checkout(tmp_path, "v2")  # an edit after start: the run keeps the code it started with
+    (gate / "a").touch()
+    (gate / "b").touch()
+    env["OUT"] = str(tmp_path / "out2")
+    done = bg(repo, env, "wait", wait=60)
+    assert done.returncode == 0 and "--- ended" in done.stdout, done.stdout + done.stderr
+    out = tmp_path / "out2"
+    assert (out / "a.txt").read_text() == "v1 a\n" and (out / "b.txt").read_text() == "v1 b\n"
+    assert "=== all stages ended rc=0" in (out / "log").read_text()
+    assert (out / "commit").exists() and not (out / "src").exists()  # the snapshot stays on the machine
+
+    (gate / "c").touch()
+    env["OUT"] = str(tmp_path / "out3")
+    third = bg(repo, env, "start", "c", wait=60)
+    assert third.returncode == 0 and "--- ended" in third.stdout
+    assert (tmp_path / "out3" / "c.txt").read_text() == "v2 c\n"
+    assert not (tmp_path / "out3" / "a.txt").exists()
+    assert (Path(str(bg_dir) + ".prev") / "a.txt").read_text() == "v1 a\n"  # the previous run's results
