@@ -105,19 +105,19 @@ def measure(layers, t: int, needle_pages: torch.Tensor, n_sel: int, dense_layers
     ``t`` (keys ``[0, t]``) over the sparse layers and query heads."""
     sums = {r: [0.0, 0.0, 0.0] for r in RULES}
     count = 0
+    n_pages = -(-(t + 1) // PAGE)  # the same pages in every layer
+    is_needle = torch.zeros(n_pages, dtype=torch.bool)
+    is_needle[needle_pages[needle_pages < n_pages]] = True
     for q_all, k_all in layers[dense_layers:]:
         hq, _, d = q_all.shape
         group = hq // k_all.shape[0]
         q, k = q_all[:, t], k_all[:, : t + 1]  # [Hq, D], [Hkv, t+1, D]
         kmin, kmax = page_summaries(k)
-        n_pages = kmin.shape[1]
         bounds = reference.quest_page_scores(q[None], kmin, kmax, torch.tensor([n_pages]))  # [1, Hq, P]
         scale = d ** -0.5
         probs = torch.softmax(torch.einsum("hd,hld->hl", q, k.repeat_interleave(group, 0)) * scale, dim=-1)
         pad = n_pages * PAGE - (t + 1)
         mass = torch.nn.functional.pad(probs, (0, pad)).view(hq, n_pages, PAGE).sum(-1)[None]  # [1, Hq, P]
-        is_needle = torch.zeros(n_pages, dtype=torch.bool)
-        is_needle[needle_pages[needle_pages < n_pages]] = True
         for rule in RULES:
             picked = reference.quest_select_pages(rule_scores(rule, bounds, mass, group, scale), n_sel)[0].long()
             if picked.shape[0] != hq:  # one set per KV head, read by each of its query heads
@@ -161,8 +161,7 @@ def main() -> None:
             with torch.no_grad():
                 full = model.generate(torch.tensor([prompt]), max_new_tokens=args.decode, do_sample=False)[0].tolist()
             at = next(i for i in range(len(prompt)) if prompt[i: i + len(needle)] == needle)
-            needle_pages = torch.arange(at, at + len(needle)) // PAGE
-            needle_pages = torch.unique(needle_pages)
+            needle_pages = torch.unique(torch.arange(at, at + len(needle)) // PAGE)
             layers = capture(model, full[:-1])
             # decode step j feeds answer token j (position len(prompt) + j) and attends keys [0, that]
             positions = range(len(prompt), len(full) - 1)

@@ -352,11 +352,12 @@ def main() -> int:
     targets = [Path(args.write_config)] if args.write_config else []
     if args.write_config_dir:
         targets.append(Path(args.write_config_dir) / tuning.config_name(result["device"]))
-    entries, dropped = table_entries(result["batches"])
-    table_out.update(entries)
-    table_out["_meta"]["dropped"] = dropped
-    for d in dropped:
-        print(f"not in the table: {d}")
+    if targets:  # what the table keeps is said only when one is written
+        entries, dropped = table_entries(result["batches"])
+        table_out.update(entries)
+        table_out["_meta"]["dropped"] = dropped
+        for d in dropped:
+            print(f"not in the table: {d}")
     for path in targets:
         path.write_text(json.dumps(table_out, indent=1))
         print(f"wrote {path}")
