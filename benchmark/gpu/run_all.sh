@@ -66,7 +66,7 @@
 #   matched128k-compile-quest-b1  compiled Quest at batch 1 only (its 1/2/4 graph capture outran 420 s)
 #   matched128k-compile-quest-b4  compiled Quest at batch 4 only (one capture size), for issue 15's 2.5x (~7 min, est.)
 #   matched128k-compile-kv-b4  compiled dense, then compiled Quest --sparse-select-per kv_head, batch 4 only,
-#                   both at 64 splits, one run (~12 min, est.: longer than one call, see benchmark/gpu/bg.sh)
+#                   both at 64 splits, one run (768 s on the H200, 2026-12-05: longer than one call, see benchmark/gpu/bg.sh)
 #   matched128k-compile-kv-b1  the same at batch 1 (270,336-token pool, one prompt) (~9 min, est.)
 #   matched128k-compile-kv-b12  the same at batch 1 and 2, one server each (fits an H100) (~15 min, est.)
 #   agent-replay-dense / -evict  issue 16's agent replay (8B shape, 32 sessions x 4 turns, 4K system,
@@ -75,7 +75,7 @@
 #   agent-replay8-dense / -evict  the same over 8 turns: dense + radix (8 / 16 splits); SnapKV + chain
 #   agent-replay8   both in one call: SnapKV + chain (200 s cap), dense + radix at 16 splits (390 s cap)
 #   overhead-compile  plain SGLang vs dense through sglang_sparse at 32K, batch 1 and 8, both with
-#                   --enable-torch-compile at 16 kv splits (issue 15's < 3% overhead)
+#                   --enable-torch-compile at 16 kv splits (issue 15's < 3% overhead; ~9 min, est.: through bg.sh)
 #   capacity-online  issue 16's table at a 49,152-token pool, 8,192-token prefill chunks: dense
 #                   (16 / 64 splits), H2O, SkipKV, SnapKV, R-KV (~8 min, est.)
 #   prefill-flash  issue 17: prefill speed (TTFT of one request, 1 output token), 32K and 128K
@@ -344,9 +344,11 @@ print(tuning.config_name(torch.cuda.get_device_name()))')
           -- --cuda-graph-bs-decode 1 2 4 8 16 24 32 2>&1 | tee "$OUT/agent-replay8-${v%%+*}.txt"
       done ;;
     overhead-compile)  # issue 15: dense through sglang_sparse vs plain SGLang, both compiled and at 16 splits
-      timeout 560 python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 32768 --output-len 64 \
-        --batches 1 8 --pool 294912 --methods plain dense --tune plain dense --kv-splits 16 --start-timeout 300 \
-        --out "$OUT/long_matched_32k_overhead_compile.json" -- --cuda-graph-bs-decode 1 2 4 8 \
+      # (2026-12-05, H100: with capture sizes 1 2 4 8 and a cold inductor cache plain's start outran 300 s at
+      # 82 s a size, and dense, second, came up in 174 s on the warm cache: only the sizes measured, 420 s)
+      timeout 700 python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 32768 --output-len 64 \
+        --batches 1 8 --pool 294912 --methods plain dense --tune plain dense --kv-splits 16 --start-timeout 420 \
+        --out "$OUT/long_matched_32k_overhead_compile.json" -- --cuda-graph-bs-decode 1 8 \
         --enable-torch-compile --torch-compile-max-bs 8 2>&1 | tee "$OUT/$stage.txt" ;;
     prefill-flash)  # issue 17: FlashPrefill vs dense prefill, one server each, 2 requests per length
       # (the first discarded). Estimate per server: start + decode graph at batch 1 ~60 s, 32K ~8 s x 2,
