@@ -76,3 +76,43 @@ def run_and_check(tmp_path: Path, gate: Path) -> None:
     assert (tmp_path / "out3" / "c.txt").read_text() == "v2 c\n"
     assert not (tmp_path / "out3" / "a.txt").exists()
     assert (Path(str(bg_dir) + ".prev") / "a.txt").read_text() == "v1 a\n"  # the previous run's results
+
+
+def cache_script(tmp_path: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "repo" / "benchmark" / "gpu" / "compile_cache.sh"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(ROOT / "benchmark" / "gpu" / "compile_cache.sh", script)
+    return subprocess.run(["bash", str(script), *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_compile_cache_round_trip_and_size_cap(tmp_path):
+    """``compile_cache.sh save`` packs the cache folder into one returnable file (or, over the cap,
+    writes nothing and says so); ``restore`` unpacks the carried file once per machine."""
+    made = tmp_path / "made"
+    (made / "inductor" / "fxgraph").mkdir(parents=True)
+    (made / "inductor" / "fxgraph" / "entry").write_bytes(os.urandom(3 << 20))  # incompressible 3 MiB
+    (made / "triton" / "k.cubin").parent.mkdir()
+    (made / "triton" / "k.cubin").write_text("kernel")
+    out = tmp_path / "out"
+    env = dict(os.environ, SPARSE_CACHE_DIR=str(made), XZ_OPT="-0")  # fast: the data is random
+
+    capped = cache_script(tmp_path, dict(env, COMPILE_CACHE_MAX_MB="2"), "save", str(out))
+    assert capped.returncode == 0 and "over 2 MiB, not saved" in capped.stdout, capped.stdout + capped.stderr
+    assert not list(out.iterdir())  # no partial file comes back
+
+    saved = cache_script(tmp_path, env, "save", str(out))
+    assert saved.returncode == 0 and "packed into" in saved.stdout, saved.stdout + saved.stderr
+    assert [p.name for p in out.iterdir()] == ["compile_cache.tar.xz"]
+
+    fresh = tmp_path / "fresh"  # the next machine: the file carried as .gpucache/
+    (tmp_path / "repo" / ".gpucache").mkdir()
+    shutil.copy(out / "compile_cache.tar.xz", tmp_path / "repo" / ".gpucache" / "compile_cache.tar.xz")
+    env = dict(os.environ, SPARSE_CACHE_DIR=str(fresh))
+    first = cache_script(tmp_path, env, "restore")
+    assert first.returncode == 0 and "restored" in first.stdout, first.stdout + first.stderr
+    assert (fresh / "inductor" / "fxgraph" / "entry").read_bytes() == (made / "inductor" / "fxgraph" / "entry").read_bytes()
+    assert (fresh / "triton" / "k.cubin").read_text() == "kernel"
+    (fresh / "triton" / "k.cubin").write_text("rebuilt here")  # a later sourcing of env.sh keeps it
+    again = cache_script(tmp_path, env, "restore")
+    assert again.returncode == 0 and again.stdout == "" and (fresh / "triton" / "k.cubin").read_text() == "rebuilt here"
+    assert cache_script(tmp_path, env, "bogus").returncode == 2

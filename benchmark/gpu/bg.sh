@@ -24,9 +24,10 @@ case $cmd in
     [ -d "$BG_DIR" ] && { rm -rf "$BG_DIR.prev"; mv "$BG_DIR" "$BG_DIR.prev"; }  # an earlier run's results
     mkdir -p "$BG_DIR/src"
     # run from a snapshot: every later device call re-sends the working tree, and a stage that starts
-    # after an edit here would otherwise run the edited code (.gpu / .gpumodel are linked, not copied)
-    tar --exclude=./.git --exclude=./.venv --exclude=./.gpu --exclude=./.gpumodel -cf - . | tar -xf - -C "$BG_DIR/src"
-    ln -s "$PWD/.gpu" "$BG_DIR/src/.gpu"; ln -s "$PWD/.gpumodel" "$BG_DIR/src/.gpumodel"
+    # after an edit here would otherwise run the edited code (.gpu / .gpumodel / .gpucache are linked, not copied)
+    tar --exclude=./.git --exclude=./.venv --exclude=./.gpu --exclude=./.gpumodel --exclude=./.gpucache -cf - . \
+      | tar -xf - -C "$BG_DIR/src"
+    for d in .gpu .gpumodel .gpucache; do [ -e "$d" ] && ln -s "$PWD/$d" "$BG_DIR/src/$d"; done
     git rev-parse HEAD > "$BG_DIR/commit" 2>/dev/null || echo "no git here" > "$BG_DIR/commit"
     OUT="$BG_DIR" setsid nohup bash -c 'bash "$0"/benchmark/gpu/run_all.sh "$@"; echo "=== all stages ended rc=$?"' \
       "$BG_DIR/src" "$@" > "$BG_DIR/log" 2>&1 < /dev/null &

@@ -83,6 +83,8 @@
 #   capacity-turboquant  issue 17: TurboQuant 3-bit vs dense (16 / 64 splits), 196,608-token pool (~8 min, est.)
 #   capacity-palu75 Palu kernel sweep, then Palu at ratio 0.75 alone, same pool (~5 min, est.)
 #   kernels-quant   KIVI and TurboQuant decode kernels alone (~1 min, est.)
+#   save-cache      last: pack the torch.compile / Triton caches into $OUT/compile_cache.tar.xz if
+#                   it is at most 15 MiB (benchmark/gpu/compile_cache.sh; carry it back as .gpucache)
 #   capacity-palu   issue 17: Palu kernel tests and timing on the GPU, then Palu (ratio 0.5) vs dense (16 / 64 splits), 196,608-token pool (~9 min, est.)
 #   prefill-flash-keepall  FlashPrefill at 1.0 (all blocks) next to dense, 32K and 128K (~6 min, est.)
 #   (each 128K server prefills 4 prompts, ~45 s each, so two servers fill one call)
@@ -398,6 +400,8 @@ print(tuning.config_name(torch.cuda.get_device_name()))')
         --variants flashprefill@1.0 dense --repeats 2 --chunk 16384 --timeout 240 \
         --start-timeout 240 --out "$OUT/prefill_flash_keepall_h200.json" -- --cuda-graph-bs-decode 1 \
         2>&1 | tee "$OUT/$stage.txt" ;;
+    save-cache)
+      bash benchmark/gpu/compile_cache.sh save "$OUT" ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "=== $stage took $((SECONDS - start)) s"
