@@ -86,8 +86,8 @@ model only) find the needle; ratios 0.25, 0.5, 0.75 and head group 3 at 0.5 do n
 transformers with the same factors folded into its K/V weights writes the same texts as the
 server, so this is the uniform-rank factorisation on a 135M model, not the runtime
 (``test_palu_server.py`` checks the server against that folded model, token for token). NIAH and
-perplexity (``palu@0.5`` / ``palu@0.75`` in ``benchmark/bench_niah.py`` / ``bench_ppl.py``, README
-"Measured"): perplexity 2.5x / 8.4x dense's, needle recall 0.05 / 0.00 against dense's 0.80 (uniform
+perplexity (``palu@0.5`` / ``palu@0.75`` in ``benchmark/bench_niah.py`` / ``bench_ppl.py``,
+docs/measured.md): perplexity 2.5x / 8.4x dense's, needle recall 0.05 / 0.00 against dense's 0.80 (uniform
 ranks lose most of V on this 135M model).
 
 In-place weight updates (``/update_weights_from_disk``, ``_from_tensor``, ``_from_distributed``,

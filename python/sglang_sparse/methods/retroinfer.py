@@ -52,7 +52,7 @@ Simplified from the paper (say so wherever results are quoted):
 - decode runs Python per layer and request (``decode_needs_python``): eager only, the launcher
   adds ``--disable-cuda-graph`` on a GPU; the attention is torch ops, no Triton kernel. On the H200
   (8B shape) that decodes 4 resident 128K requests at 5.2 tok/s in all, where dense decodes its one
-  at 61 (README *Measured*);
+  at 61 (docs/measured.md);
 - ``evicts_kv``: the radix cache is off (the launcher adds ``--disable-radix-cache``), and Chain
   Cache cannot carry the index or the host rows (``supports_chains = False``).
 """

@@ -27,7 +27,7 @@ to the implementation):
   safe) and in the plain-torch reference elsewhere (issue 17). The kernel is tested against the
   reference under the Triton interpreter and on the H200 (``benchmark/results/h200/gpu_tests_turboquant_kernel_*.txt``),
   and decodes inside SGLang's CUDA graphs there; it reads its codes at ~3.5% of HBM bandwidth (slower
-  than dense's decode; README "Measured").
+  than dense's decode; docs/measured.md).
 
 Counters (``/sparse/stats``): ``turboquant_blocks_written``, ``turboquant_store_full``.
 """
