@@ -103,6 +103,11 @@ gpu_tests() {  # name, pytest arguments...
   # cut at GPU_TEST_TIMEOUT seconds so the summary still reaches $OUT inside one call
   timeout "${GPU_TEST_TIMEOUT:-560}" python3 -m pytest -q -m gpu -rA "$@" 2>&1 | tail -40 | tee "$OUT/gpu_$name.txt"
 }
+tune_quest() {  # cap s, time limit s, batches...: Quest's decode kernels at 128K, budget 2,048; table into $OUT
+  local cap=$1 limit=$2; shift 2
+  timeout "$cap" python3 benchmark/gpu/tune_quest_kernels.py --batch "$@" --ctx 131072 --budget 2048 \
+    --time-limit "$limit" --out "$OUT/quest_tuning_128k.json" --write-config-dir "$OUT" 2>&1 | tee "$OUT/$stage.txt"
+}
 for stage in "$@"; do
   echo "=== $stage $(date -u +%T)"
   start=$SECONDS
@@ -153,14 +158,11 @@ for stage in "$@"; do
       timeout 200 python3 sgl-kernel-sparse/bench/bench_kernels.py --only quest128k attn_sums \
         --out "$OUT/kernels_quest128k.json" 2>&1 | tee "$OUT/$stage.txt" ;;
     tune-quest)  # issue 15: choose the launch options of Quest's decode kernels (see the list above)
-      timeout 580 python3 benchmark/gpu/tune_quest_kernels.py --batch 4 1 2 --ctx 131072 --budget 2048 \
-        --time-limit 400 --out "$OUT/quest_tuning_128k.json" --write-config-dir "$OUT" \
-        2>&1 | tee "$OUT/$stage.txt" ;;
+      tune_quest 580 400 4 1 2 ;;
     tune-quest-serve)  # issue 15: tune-quest at batch 4 and 1 only; its table (in $OUT: commit it to configs/)
       # is exported as SGL_KERNEL_SPARSE_TUNING, so the servers of later stages of this run_all.sh launch
       # the tuned kernels; then the selection kernels' GPU tests
-      timeout 400 python3 benchmark/gpu/tune_quest_kernels.py --batch 4 1 --ctx 131072 --budget 2048 \
-        --time-limit 150 --out "$OUT/quest_tuning_128k.json" --write-config-dir "$OUT" 2>&1 | tee "$OUT/$stage.txt"
+      tune_quest 400 150 4 1
       table=$OUT/$(python3 -c 'import torch; from sgl_kernel_sparse import tuning
 print(tuning.config_name(torch.cuda.get_device_name()))')
       # export it only if it holds an entry: tune_quest_kernels.py writes none for a path whose tuned layer
