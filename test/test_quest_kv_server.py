@@ -1,6 +1,7 @@
 """Quest with one page set per KV head (``--sparse-select-per kv_head``) through the real server
 (CPU): the option reaches the method, each query head reads its KV head's ``max(3, budget/page)``
-pages, the full KV stays resident and nothing leaks. Which pages are chosen (the summed bounds)
+pages, the full KV stays resident and nothing leaks (the slot census after every step, on whole
+pages). Which pages are chosen (the summed bounds)
 and what attention reads over them are checked against plain-torch references in
 ``test_quest_pages.py``; the GQA kernel in ``test_sparse_kernels.py``."""
 
@@ -19,7 +20,8 @@ ARGS = ["--max-total-tokens", "4096", "--log-level", "warning", "--sparse-method
 
 @pytest.fixture(scope="module")
 def server(request, default_model_dir):
-    return start_server(ARGS, request)
+    # the slot census after every step: a running request's partly written last page is its own
+    return start_server(ARGS, request, env={"SGLANG_SPARSE_CHECK_INTEGRITY": "1"})
 
 
 def test_kv_head_selection_serves_reads_its_pages_and_does_not_leak(server):
@@ -39,6 +41,7 @@ def test_kv_head_selection_serves_reads_its_pages_and_does_not_leak(server):
     assert c1["pages_total"] - c0.get("pages_total", 0) == heads * sum(-(-n // PAGE) for n in (301, 302, 303))
     assert c1["pages_selected"] - c0.get("pages_selected", 0) == heads * 3 * n_sel
     assert c1["slots_released"] == 0 and after["running_requests"] == 0
+    assert c1["integrity_violations"] == 0  # 16-slot pages, every step (prefill and 3 decodes)
     assert requests.post(server.base_url + "/flush_cache", timeout=60).status_code == 200
     flushed = sparse_stats(server)
     assert flushed["kv_free_slots"] == flushed["kv_total_slots"]

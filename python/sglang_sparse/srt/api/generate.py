@@ -81,6 +81,8 @@ def check_generate_fields(obj, prompts: int) -> None:
     """The fields of a ``/generate`` body that SGLang 0.5.23 uses before checking them (a 500,
     or worse, otherwise): ``sampling_params`` as a list (indexed), its ``custom_params``
     (unpacked), ``session_params`` (unpacked into SGLang's SessionParams)."""
+    if prompts == 0:  # SGLang answers an empty batch with [] but indexes a list of sampling_params
+        raise RequestError("text", "text is an empty list: a batch needs at least one prompt")
     sps = obj.sampling_params
     if isinstance(sps, list) and len(sps) != prompts:
         raise RequestError("sampling_params", f"sampling_params must be an object, or a list of {prompts} "
@@ -228,6 +230,30 @@ def _prompt_count(obj) -> int:
     return 1
 
 
+def _scheduler_rid(obj) -> str:
+    """The rid the scheduler gives a chain request's one prompt. A batch of one (``["text"]``, an
+    OpenAI ``prompt`` list) is normalized by SGLang into a list of rids: a given list is kept, a
+    string ``R`` becomes ``[R + "_0"]`` (``GenerateReqInput._normalize_rid``)."""
+    if isinstance(obj.rid, list):
+        return str(obj.rid[0]) if obj.rid else ""
+    return f"{obj.rid}_0" if _is_batch(obj) else obj.rid
+
+
+def _is_batch(obj) -> bool:
+    """A list of texts or of token-id lists: SGLang serves it as a batch (even of one)."""
+    return isinstance(obj.text, list) or (isinstance(obj.input_ids, list) and bool(obj.input_ids)
+                                          and isinstance(obj.input_ids[0], list))
+
+
+def _openai_prompts(request) -> int:
+    """Prompts in an OpenAI request: a completions ``prompt`` that is a list of texts or of
+    token-id lists is a batch; a chat request is one conversation."""
+    prompt = getattr(request, "prompt", None)
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return len(prompt)
+    return 1
+
+
 def _parallel(sampling_params) -> int:
     """The largest ``n`` (parallel samples) asked for."""
     ns = [sp.get("n", 1) if isinstance(sp, dict) else 1 for sp in _as_list(sampling_params)]
@@ -338,7 +364,7 @@ async def around_openai_request(original, serving, request, raw_request, *args, 
         if n is not None:
             expect_int("n", n, 1, MAX_N)
         chain_id = check_chain_fields(body.get("chain_id"), [custom["chain_id"]] if "chain_id" in custom else [],
-                                      n if is_int(n) else 1, 1)
+                                      n if is_int(n) else 1, _openai_prompts(request))
     except RequestError as err:
         return serving.create_error_response(err.message, param=err.field, status_code=err.status)
     if chain_id is not None:
@@ -347,7 +373,7 @@ async def around_openai_request(original, serving, request, raw_request, *args, 
         key = routing_key(raw_request)
     except RequestError as err:
         return serving.create_error_response(err.message, param=err.field, status_code=err.status)
-    if key is not None and chain_id is None and (n if is_int(n) else 1) == 1:
+    if key is not None and chain_id is None and (n if is_int(n) else 1) == 1 and _openai_prompts(request) == 1:
         request.custom_params = {**(request.custom_params or {}), CHAIN_KEY: key}
     stream = bool(getattr(request, "stream", False))
     token = STATE.http.refusal.set(Refusal()) if stream else None
@@ -428,25 +454,26 @@ def around_generate_request(original, manager, obj, request=None, *args, **kwarg
         import uuid
 
         obj.rid = uuid.uuid4().hex  # a chain request is one prompt, one sample (check_chain_fields)
+    rid = _scheduler_rid(obj)
     _route_to_chain_rank(manager, obj, chain_id)
 
     async def tracked():
         prev = STATE.http.inflight.get(chain_id)
         if prev is not None and prev[1] is not None and await prev[1].is_disconnected():
             manager.abort_request(prev[0])
-        STATE.http.inflight[chain_id] = (obj.rid, request)
+        STATE.http.inflight[chain_id] = (rid, request)
         done = False
         try:
             async for out in probe.fix_prompt_tokens(original(manager, obj, request, *args, **kwargs), obj):
                 if _finish_reason(out) is not None:
                     done = True
-                    _forget(chain_id, obj.rid)
+                    _forget(chain_id, rid)
                 yield out
             done = True
         finally:
-            _forget(chain_id, obj.rid)
+            _forget(chain_id, rid)
             if not done:  # closed before its last output: the client went away; abort it now
-                manager.abort_request(obj.rid)
+                manager.abort_request(rid)
 
     return watch_first_output(tracked())
 

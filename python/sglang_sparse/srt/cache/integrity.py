@@ -1,6 +1,7 @@
 """The slot census: every KV slot of the pool has exactly one owner (scheduler process).
 
-Owners: the allocator's free list; a radix-tree node (its retained slots); a request's own rows
+Owners (of whole pages when SGLang runs with ``--page-size`` > 1: a request's partly written last
+page is its own): the allocator's free list; a radix-tree node (its retained slots); a request's own rows
 ``[cache_protected_len, kv_allocated_len)`` (rows before ``cache_protected_len`` are tree
 slots), wherever the scheduler holds it (``engine/held.py``); a chain's parked rows ``[0, rows)``
 (idle, or resumed by a request still waiting for admission: the rows are lent to the request
@@ -34,6 +35,11 @@ def _rows(table, spans) -> list[torch.Tensor]:
     return [table[kv.req_pool_idx, start: kv.kv_allocated_len].to(torch.int64).cpu() for kv, start in spans]
 
 
+def _page_slots(pages: torch.Tensor, page: int) -> torch.Tensor:
+    """Every slot of ``pages`` (page ``p`` holds slots ``[p * page, (p + 1) * page)``)."""
+    return (pages.view(-1, 1) * page + torch.arange(page)).flatten()
+
+
 def check_integrity(scheduler) -> dict:
     """The census (see module docstring), with the slots each kind of owner holds."""
     alloc = scheduler.token_to_kv_pool_allocator
@@ -51,8 +57,11 @@ def check_integrity(scheduler) -> dict:
             problems.append(f"radix tree: {err}")
     page = alloc.page_size
     free_pages = alloc.get_all_free_pages().to(torch.int64).cpu()
-    free = (free_pages.view(-1, 1) * page + torch.arange(page)).flatten()
+    free = _page_slots(free_pages, page)
     total = int(scheduler.max_total_num_tokens)
+    if page > 1:  # a paged pool hands out whole pages: an owner of a page's first rows owns all of it
+        by_request, by_chain, by_tree = ([_page_slots(torch.unique(x // page), page) for x in xs]
+                                         for xs in (by_request, by_chain, by_tree))
     owned = by_request + by_chain + by_tree
     # page 0 (slot 0, the padding slot, and the rest of its page) is never allocated
     counts = torch.bincount(torch.cat(owned + [free]), minlength=total + page)[page: total + page]
