@@ -172,6 +172,10 @@ def test_refusals_are_sentences(full):
     parallel = requests.post(full.base_url + "/generate", timeout=300, json={
         "input_ids": [1000, 1001, 1002], "sampling_params": {"max_new_tokens": 2, "n": 2}})
     assert parallel.status_code == 400 and "parallel samples" in parallel.text, parallel.text
+    # max_new_tokens 0 is SGLang's prefill-only path, which never samples the token the probe
+    # replaces: the request used to hang, unanswered
+    none = gen(full, [1000, 1001, 1002], 0)
+    assert none.status_code == 400 and "max_new_tokens must be >= 1" in none.text, none.text
     one = gen(full, [1000], 2)  # no context to score: served without a probe
     assert one.status_code == 200 and one.json()["meta_info"]["prompt_tokens"] == 1, one.text
     session = gen(full, [1000, 1001, 1002], 2, session_params={"id": "s1"})

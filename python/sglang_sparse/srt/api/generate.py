@@ -73,6 +73,11 @@ def _culprit(check, body: dict, prefix: str = "") -> str | None:
 
 
 MAX_N = 128  # parallel samples per prompt (OpenAI's own limit)
+# fields of a /generate batch that SGLang 0.5.23 takes as one value or a list it indexes per prompt
+# without checking its length (an IndexError, a 500, otherwise; an empty modalities list is not indexed)
+PER_PROMPT_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_sampling_mask",
+                     "sampling_logprobs_mode", "custom_logit_processor", "lora_path", "lora_id", "modalities",
+                     "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size")
 SESSION_FIELDS = types.MappingProxyType(
     {"id": str, "rid": str, "offset": int, "replace": bool, "drop_previous_output": bool})
 
@@ -87,6 +92,12 @@ def check_generate_fields(obj, prompts: int) -> None:
     if isinstance(sps, list) and len(sps) != prompts:
         raise RequestError("sampling_params", f"sampling_params must be an object, or a list of {prompts} "
                                               f"object(s), one per prompt; got a list of {len(sps)}")
+    if _is_batch(obj):
+        for name in PER_PROMPT_FIELDS:
+            value = getattr(obj, name, None)
+            if isinstance(value, list) and len(value) != prompts and (value or name != "modalities"):
+                raise RequestError(name, f"{name} must be one value, or a list of {prompts} values, one per "
+                                         f"prompt; got a list of {len(value)}")
     for sp in _as_list(sps):
         if isinstance(sp, dict) and "n" in sp:
             expect_int("sampling_params.n", sp["n"], 1, MAX_N)

@@ -16,8 +16,9 @@ rewritten in place to ``prompt[:N-1] + probe_ids(prompt[:N-1])`` (N - 1 + S toke
 The scheduler reports ``len(origin_input_ids) = N + S`` prompt tokens; ``fix_prompt_tokens``
 gives the client its N back (``meta_info.prompt_tokens``, hence OpenAI ``usage``).
 A one-token prompt has no context to score and is served as is; ``n > 1`` (parallel samples of
-one prompt) and SGLang sessions (``session_params``: SGLang would build the next prompt from this
-one, probe included) are refused with a 400.
+one prompt), SGLang sessions (``session_params``: SGLang would build the next prompt from this
+one, probe included) and ``max_new_tokens`` 0 (SGLang's prefill-only path never samples the token
+the probe replaces) are refused with a 400.
 
 A request that continues a chain (``custom_params.chain_id``) is not rewritten here: only the
 scheduler knows how many of its tokens the chain holds (M), and the probe covers the new context
@@ -72,6 +73,10 @@ def rewrite_prompt(manager, obj, input_ids: list, field: str) -> None:
     if (getattr(obj, "parallel_sample_num", 1) or 1) > 1 or (isinstance(n, int) and n > 1):
         raise RequestError("n", f"--sparse-method {method} prefills a reconstruction probe per request and cannot "
                                 "serve parallel samples of one prompt (n > 1) yet: send n = 1, as separate requests")
+    if sp.get("max_new_tokens", 1) == 0:  # SGLang serves it prefill-only: the probe's first token never comes
+        raise RequestError("sampling_params.max_new_tokens", f"--sparse-method {method} compresses a prompt for the "
+                                                             "tokens generated after it: max_new_tokens must be "
+                                                             ">= 1 (it was 0)")
     tokenizer = manager.tokenizer
     context = list(input_ids[:-1])
     texts = runtime.probe_texts(lambda text: tokenizer.encode(text, add_special_tokens=False))
