@@ -1,6 +1,7 @@
 """Hostile input against real servers (CPU; dense, Quest on a paged pool and SnapKV, one server
-each; Chain Cache on, metrics on, the slot census after every step): every case of issue 12 that a client can send, then a few hundred generated
-requests over every field sglang_sparse's routes read or change. Each answer is a 2xx, or a 4xx
+each; Chain Cache on, metrics on, the slot census after every step): every case of issue 12 that a
+client can send, then a few hundred generated requests over every field sglang_sparse's routes
+read or change. Each answer is a 2xx, or a 4xx
 whose JSON body names the field in a sentence (no stack trace, no file path); the scheduler
 keeps serving; no KV slot is lost or owned twice, at any step."""
 

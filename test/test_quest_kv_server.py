@@ -1,9 +1,9 @@
 """Quest with one page set per KV head (``--sparse-select-per kv_head``) through the real server
 (CPU): the option reaches the method, each query head reads its KV head's ``max(3, budget/page)``
 pages, the full KV stays resident and nothing leaks (the slot census after every step, on whole
-pages). Which pages are chosen (the summed bounds)
-and what attention reads over them are checked against plain-torch references in
-``test_quest_pages.py``; the GQA kernel in ``test_sparse_kernels.py``."""
+pages). Which pages are chosen (the summed bounds) and what attention reads over them are checked
+against plain-torch references in ``test_quest_pages.py``; the GQA kernel in
+``test_sparse_kernels.py``."""
 
 from __future__ import annotations
 

@@ -32,13 +32,13 @@ case ${1:-} in
     mkdir -p "$2"
     tmp="$2/compile_cache.tar.xz.part"
     XZ_OPT=${XZ_OPT:--6 -T0} tar --exclude=./.restored -cJf "$tmp" -C "$base" .
-    mb=$(( ($(stat -c %s "$tmp") + 1048575) / 1048576 ))
-    if [ "$mb" -le "${COMPILE_CACHE_MAX_MB:-15}" ]; then
+    mb=$(( ($(stat -c %s "$tmp") + 1048575) / 1048576 )) max=${COMPILE_CACHE_MAX_MB:-15} size=$(du -sh "$base" | cut -f1)
+    if [ "$mb" -le "$max" ]; then
       mv "$tmp" "$2/compile_cache.tar.xz"
-      echo "compile cache: $(du -sh "$base" | cut -f1) packed into $2/compile_cache.tar.xz ($mb MiB)"
+      echo "compile cache: $size packed into $2/compile_cache.tar.xz ($mb MiB)"
     else
       rm -f "$tmp"
-      echo "compile cache: $(du -sh "$base" | cut -f1), $mb MiB packed: over ${COMPILE_CACHE_MAX_MB:-15} MiB, not saved"
+      echo "compile cache: $size, $mb MiB packed: over $max MiB, not saved"
     fi ;;
   *) echo "usage: compile_cache.sh restore | save DIR" >&2; exit 2 ;;
 esac

@@ -233,12 +233,10 @@ def _as_list(sampling_params) -> list:
 
 
 def _prompt_count(obj) -> int:
-    """Prompts in a ``/generate`` body: a list of texts or a list of token-id lists is a batch."""
-    if isinstance(obj.text, list):
-        return len(obj.text)
-    if isinstance(obj.input_ids, list) and obj.input_ids and isinstance(obj.input_ids[0], list):
-        return len(obj.input_ids)
-    return 1
+    """Prompts in a ``/generate`` body (``_is_batch``: a list of texts or of token-id lists)."""
+    if not _is_batch(obj):
+        return 1
+    return len(obj.text) if isinstance(obj.text, list) else len(obj.input_ids)
 
 
 def _scheduler_rid(obj) -> str:

@@ -1,8 +1,8 @@
 """The slot census: every KV slot of the pool has exactly one owner (scheduler process).
 
-Owners (of whole pages when SGLang runs with ``--page-size`` > 1: a request's partly written last
-page is its own): the allocator's free list; a radix-tree node (its retained slots); a request's own rows
-``[cache_protected_len, kv_allocated_len)`` (rows before ``cache_protected_len`` are tree
+Owners (of whole pages when SGLang runs with ``--page-size`` > 1: a request's partly written
+last page is its own): the allocator's free list; a radix-tree node (its retained slots); a
+request's own rows ``[cache_protected_len, kv_allocated_len)`` (rows before ``cache_protected_len`` are tree
 slots), wherever the scheduler holds it (``engine/held.py``); a chain's parked rows ``[0, rows)``
 (idle, or resumed by a request still waiting for admission: the rows are lent to the request
 only when it is admitted). The census runs on the scheduler's thread (between loop
@@ -59,7 +59,7 @@ def check_integrity(scheduler) -> dict:
     free_pages = alloc.get_all_free_pages().to(torch.int64).cpu()
     free = _page_slots(free_pages, page)
     total = int(scheduler.max_total_num_tokens)
-    if page > 1:  # a paged pool hands out whole pages: an owner of a page's first rows owns all of it
+    if page > 1:  # a paged pool hands out whole pages: an owner of any row of a page owns all of it
         by_request, by_chain, by_tree = ([_page_slots(torch.unique(x // page), page) for x in xs]
                                          for xs in (by_request, by_chain, by_tree))
     owned = by_request + by_chain + by_tree
