@@ -68,6 +68,7 @@ def run_and_check(tmp_path: Path, gate: Path) -> None:
     assert (out / "a.txt").read_text() == "v1 a\n" and (out / "b.txt").read_text() == "v1 b\n"
     assert "=== all stages ended rc=0" in (out / "log").read_text()
     assert (out / "commit").exists() and not (out / "src").exists()  # the snapshot stays on the machine
+    assert not (out / "pid").exists()  # a call returns at most 8 files
 
     (gate / "c").touch()
     env["OUT"] = str(tmp_path / "out3")

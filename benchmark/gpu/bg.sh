@@ -39,7 +39,8 @@ esac
 [ -f "$BG_DIR/pid" ] || { echo "no background run here (a fresh machine?)" >&2; exit 1; }
 deadline=$((SECONDS + ${BG_WAIT:-570}))
 while [ $SECONDS -lt $deadline ] && kill -0 "$(cat "$BG_DIR/pid")" 2>/dev/null; do sleep 5; done
-mkdir -p "$OUT"; (cd "$BG_DIR" && cp -r $(ls -A | grep -vx src) "$OUT"/)
+# a call brings back at most 8 files: leave the snapshot and the pid file behind
+mkdir -p "$OUT"; (cd "$BG_DIR" && cp -r $(ls -A | grep -vxE 'src|pid') "$OUT"/)
 if kill -0 "$(cat "$BG_DIR/pid")" 2>/dev/null; then echo "--- still running"; else echo "--- ended"; fi
 grep -E '^(=== |matched|dense |quest|wrote|.*failed)' "$BG_DIR/log" | tail -40
 tail -c 3000 "$BG_DIR/log"
