@@ -61,6 +61,7 @@
 #   matched128k-quest   the same, dense and Quest(2048) in one call, both at 64 kv splits   ~9 min
 #                   (with a committed configs/NVIDIA_H200.json from tune-quest, Quest runs its tuned kernels)
 #   matched128k-omnikv  the same for OmniKV(2048): dense and OmniKV in one call, both at 64 kv splits
+#   matched128k-omnikv-b12  the same at batch 1 and 2 only (fits an H100) (~6 min, est.)
 #   matched128k-quest-kv  the same for Quest with one page set per KV head (--sparse-select-per kv_head)
 #   matched128k-compile-dense / -quest  the same with --enable-torch-compile, one server per call
 #   matched128k-compile-quest-b1  compiled Quest at batch 1 only (its 1/2/4 graph capture outran 420 s)
@@ -214,6 +215,10 @@ print(tuning.config_name(torch.cuda.get_device_name()))')
       python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 131072 --output-len 64 \
         --batches 1 2 4 --pool 540672 --methods dense omnikv --tune dense omnikv --kv-splits 64 \
         --out long_matched_128k_omnikv.json -- --cuda-graph-bs-decode 1 2 4 2>&1 | tee "$OUT/$stage.txt" ;;
+    matched128k-omnikv-b12)  # the same at batch 1 and 2 (270,336-token pool: fits an H100 next to the 8B weights)
+      python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 131072 --output-len 64 \
+        --batches 1 2 --pool 270336 --methods dense omnikv --tune dense omnikv --kv-splits 64 \
+        --out "$OUT/long_matched_128k_omnikv_b12.json" -- --cuda-graph-bs-decode 1 2 2>&1 | tee "$OUT/$stage.txt" ;;
     capacity393k)  # issue 15's pool: SnapKV first (its 89 prompts prefill for ~5 min), then dense
       timeout 560 python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 393216 \
         --prompt-len 32768 --output-len 2048 --methods snapkv dense --tune dense --kv-splits 16 32 \
