@@ -70,13 +70,17 @@
 #                   both at 64 splits, one run (768 s on the H200, 2026-12-05: longer than one call, see benchmark/gpu/bg.sh)
 #   matched128k-compile-kv-b1  the same at batch 1 (270,336-token pool, one prompt) (~9 min, est.)
 #   matched128k-compile-kv-b12  the same at batch 1 and 2, one server each (fits an H100) (~15 min, est.)
+#   matched128k-compile-omnikv-b4 / -b12  the same pair with OmniKV(2048) instead of Quest (through bg.sh,
+#                   ~13 min / ~15 min, est.; not yet run)
 #   agent-replay-dense / -evict  issue 16's agent replay (8B shape, 32 sessions x 4 turns, 4K system,
 #                   2K tool outputs, 98,304-token pool): dense + radix over 8 / 16 splits in the
 #                   first call; SnapKV, H2O and R-KV (budget 2,048) + Chain Cache in the second
 #   agent-replay8-dense / -evict  the same over 8 turns: dense + radix (8 / 16 splits); SnapKV + chain
 #   agent-replay8   both in one call: SnapKV + chain (200 s cap), dense + radix at 16 splits (390 s cap)
 #   overhead-compile  plain SGLang vs dense through sglang_sparse at 32K, batch 1 and 8, both with
-#                   --enable-torch-compile at 16 kv splits (issue 15's < 3% overhead; ~9 min, est.: through bg.sh)
+#                   --enable-torch-compile at 16 kv splits (issue 15's < 3% overhead; 354 s on the H200, 2026-12-06)
+#   overhead-compile-b8  the same at batch 8 only, dense first, a 128-token window (237 s on a warm
+#                   inductor cache, 2026-12-06: run it after overhead-compile in the same machine's life)
 #   capacity-online  issue 16's table at a 49,152-token pool, 8,192-token prefill chunks: dense
 #                   (16 / 64 splits), H2O, SkipKV, SnapKV, R-KV (~8 min, est.)
 #   prefill-flash  issue 17: prefill speed (TTFT of one request, 1 output token), 32K and 128K
@@ -266,6 +270,15 @@ print(tuning.config_name(torch.cuda.get_device_name()))')
         --batches "${bs[@]}" --pool "$pool" --methods dense quest-kv --tune dense quest-kv --kv-splits 64 \
         --start-timeout 480 --out "$OUT/long_matched_128k_compile_kv_b$b.json" -- --cuda-graph-bs-decode "${bs[@]}" \
         --enable-torch-compile --torch-compile-max-bs "${bs[-1]}" 2>&1 | tee "$OUT/$stage.txt" ;;
+    matched128k-compile-omnikv-b4|matched128k-compile-omnikv-b12)  # issue 15: the same pair for OmniKV (its
+      # eager 1.83x at batch 4, 2026-12-06, left the kit's unfused ops in both steps); not yet run: whether
+      # OmniKV's decode hooks trace under torch.compile on a GPU is the first thing it shows
+      b=${stage##*-b}; [ "$b" = 12 ] && bs=(1 2) || bs=("$b")
+      pool=$((135168 * (b == 4 ? 4 : 2)))
+      python3 benchmark/bench_long_context.py matched "${LONG[@]}" --prompt-len 131072 --output-len 64 \
+        --batches "${bs[@]}" --pool "$pool" --methods dense omnikv --tune dense omnikv --kv-splits 64 \
+        --start-timeout 480 --out "$OUT/long_matched_128k_compile_omnikv_b$b.json" -- --cuda-graph-bs-decode "${bs[@]}" \
+        --enable-torch-compile --torch-compile-max-bs "${bs[-1]}" 2>&1 | tee "$OUT/$stage.txt" ;;
     capacity-online|capacity-online-rest)  # issue 16's table: 49,152-token pool, 8,192-token prefill chunks
       # (all five did not fit one call, 2026-12-03: -rest runs the three the first call's 560 s cut)
       if [ "$stage" = capacity-online ]; then ms=(dense h2o skipkv snapkv rkv); else ms=(snapkv skipkv rkv); fi
@@ -359,6 +372,11 @@ print(tuning.config_name(torch.cuda.get_device_name()))')
         --batches 1 8 --pool 294912 --methods plain dense --tune plain dense --kv-splits 16 --start-timeout 420 \
         --out "$OUT/long_matched_32k_overhead_compile.json" -- --cuda-graph-bs-decode 1 8 \
         --enable-torch-compile --torch-compile-max-bs 8 2>&1 | tee "$OUT/$stage.txt" ;;
+    overhead-compile-b8)  # the batch-8 pair again in the other order and with a 4x longer window
+      timeout 390 python3 benchmark/bench_long_context.py matched --model-path "$M8" --prompt-len 32768 \
+        --output-len 192 --window 128 --batches 8 --pool 294912 --methods dense plain --tune plain dense \
+        --kv-splits 16 --start-timeout 200 --out "$OUT/long_matched_32k_overhead_compile_b8_rerun.json" \
+        -- --cuda-graph-bs-decode 8 --enable-torch-compile --torch-compile-max-bs 8 2>&1 | tee "$OUT/$stage.txt" ;;
     prefill-flash)  # issue 17: FlashPrefill vs dense prefill, one server each, 2 requests per length
       # (the first discarded). Estimate per server: start + decode graph at batch 1 ~60 s, 32K ~8 s x 2,
       # 128K ~45 s x 2 for dense (matched128k's TTFT at 8K chunks) -> ~170 s; FlashPrefill first (its
