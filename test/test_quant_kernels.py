@@ -1,5 +1,6 @@
 """Quantized KV payloads (sgl_kernel_sparse.quant, triton_kivi, triton_fp8): KIVI 2/4-bit and FP8
-(TurboQuant's kernel: test_turboquant_kernel.py; it compiles here with the others).
+(TurboQuant's kernel: test_turboquant_kernel.py, Palu's: test_palu_kernel.py; both compile here with
+the others).
 
 CPU, default suite:
 - the references against loop-based readings of the formulas (KIVI codes, scales and minima
@@ -9,7 +10,7 @@ CPU, default suite:
 - both Triton kernels under the Triton interpreter on small shapes, in *one* subprocess
   (``python test_quant_kernels.py --interp``, ``TRITON_INTERPRET`` set before triton is
   imported), each ``case_*`` reported back to its own pytest test;
-- both kernels, and TurboQuant's, compiled for sm_90 without a GPU (``bench/compile_report.py
+- both kernels, and TurboQuant's and Palu's, compiled for sm_90 without a GPU (``bench/compile_report.py
   --groups quant``).
 GPU (``-m gpu``, skipped without CUDA): compiled kernels on realistic shapes vs the references.
 """
@@ -444,8 +445,8 @@ def test_quant_kernels_compile_for_sm90_without_spills(tmp_path):
         pytest.skip(res.stderr.strip())
     assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
     rows = json.loads(report.read_text())
-    assert {r["kernel"] for r in rows} == {"_kivi_decode_kernel", "_fp8_decode_kernel",
-                                           "_turboquant_decode_kernel", "_decode_reduce_kernel"}
+    assert {r["kernel"] for r in rows} == {"_kivi_decode_kernel", "_fp8_decode_kernel", "_turboquant_decode_kernel",
+                                           "_palu_decode_kernel", "_decode_reduce_kernel"}
     kivi = {(r["constexprs"]["BITS"], r["constexprs"]["SPLIT"]) for r in rows
             if r["kernel"] == "_kivi_decode_kernel"}
     assert kivi == {(2, False), (2, True), (4, False), (4, True)}

@@ -6,13 +6,17 @@ replaced by an ahead-of-time compile (same signature, constexprs and 16-byte div
 specialization a real launch would use). Catches compile errors the interpreter cannot see.
 
     python sgl-kernel-sparse/bench/compile_report.py [--arch 90] [--json out.json]
-        [--groups core,quant]
+        [--groups core,quant] [--ptx-hash]
 Kernel groups: ``core`` (decode, Quest, SnapKV, compaction: the default), ``quant`` (KIVI,
-TurboQuant and FP8 decode, ``triton_kivi.py`` / ``triton_turboquant.py`` / ``triton_fp8.py``) and
+TurboQuant, Palu and FP8 decode, ``triton_kivi.py`` / ``triton_turboquant.py`` /
+``triton_palu.py`` / ``triton_fp8.py``) and
 ``prefill`` (FlashPrefill's block-sparse prefill, ``triton_flashprefill.py``);
 ``--groups core,quant,prefill`` compiles all.
 The default stays ``core``: test_sparse_kernels.py checks that exact set of kernel names
 (test_quant_kernels.py compiles ``--groups quant``, test_flashprefill_kernels.py ``--groups prefill``).
+``--ptx-hash`` adds to each variant a hash of its PTX without the lines that only say where
+the source is (``.loc``, ``.file``, debug-only labels, debug sections): equal hashes before and
+after a refactor show it changed no kernel, wherever its lines moved.
 Exit status 1 if a kernel fails to compile or spills more than --max-spill bytes; 3 if this
 triton's internals differ from what the tool drives (written for triton 3.8).
 """
@@ -20,6 +24,7 @@ triton's internals differ from what the tool drives (written for triton 3.8).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import inspect
 import json
 import os
@@ -62,13 +67,31 @@ def _ptxas_info(ptx: str, arch: int) -> dict:
             "spill_bytes": int(spill.group(1)) + int(spill.group(2)) if spill else 0}
 
 
+_DEBUG_LINE = re.compile(r"\s*(\.loc|\.file)\s|\$L__(tmp|func_begin|func_end)\d+:\s*$")
+
+
+def ptx_hash(ptx: str) -> str:
+    """sha256 (16 hex digits) of the PTX without its source locations: ``.loc`` / ``.file`` lines,
+    the labels only the debug info refers to (``$L__tmpN``, ``$L__func_beginN``, ...) and the
+    ``.section .debug_*`` blocks (everything from the first one on: they close the file)."""
+    keep = []
+    for line in ptx.splitlines():
+        if line.lstrip().startswith(".section") and ".debug_" in line:
+            break
+        if not _DEBUG_LINE.match(line):
+            keep.append(line)
+    return hashlib.sha256("\n".join(keep).encode()).hexdigest()[:16]
+
+
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 GROUPS = ("core", "quant", "prefill")
 
 
-def compile_all(arch: int = 90, dtypes=("fp16", "bf16", "fp32"), groups=("core",)) -> list[dict]:
+def compile_all(arch: int = 90, dtypes=("fp16", "bf16", "fp32"), groups=("core",),
+                hash_ptx: bool = False) -> list[dict]:
+    """One row per kernel launch the groups' wrappers make; ``hash_ptx``: with ``ptx_hash``."""
     report: list[dict] = []
     target = GPUTarget("cuda", arch, 32)
 
@@ -91,9 +114,12 @@ def compile_all(arch: int = 90, dtypes=("fp16", "bf16", "fp32"), groups=("core",
                 attrs[(i,)] = [["tt.divisibility", 16]]
         kernel = triton.compile(ASTSource(self, sig, consts, attrs), target=target, options=options)
         shown = {k: v for k, v in consts.items() if k.isupper() and not k.startswith("BLOCK_D")}
-        report.append({"kernel": self.fn.__name__, "constexprs": shown,
-                       "num_warps": kernel.metadata.num_warps, "shared": kernel.metadata.shared,
-                       **_ptxas_info(kernel.asm["ptx"], arch)})
+        row = {"kernel": self.fn.__name__, "constexprs": shown,
+               "num_warps": kernel.metadata.num_warps, "shared": kernel.metadata.shared,
+               **_ptxas_info(kernel.asm["ptx"], arch)}
+        if hash_ptx:
+            row["ptx_hash"] = ptx_hash(kernel.asm["ptx"])
+        report.append(row)
 
     tc.interpreting = lambda: True  # let the wrappers accept CPU tensors
     saved = JITFunction.run
@@ -158,10 +184,12 @@ def _exercise(dtypes) -> None:
 
 def _exercise_quant(dtypes) -> None:
     """KIVI (2 and 4 bits, 64 blocks of 32 + residual), TurboQuant (2, 3 and 4 bits, same
-    blocks) and FP8 (per-head and per-tensor scales) decode, with and without split-K; same
-    Llama-3-8B-like layer."""
+    blocks), Palu (ranks 32 to 128, neox / GPT-J RoPE, with and without biases, same blocks) and
+    FP8 (per-head and per-tensor scales) decode, with and without split-K; same Llama-3-8B-like
+    layer."""
     from sgl_kernel_sparse.triton_fp8 import fp8_decode_attention
     from sgl_kernel_sparse.triton_kivi import kivi_decode_attention
+    from sgl_kernel_sparse.triton_palu import palu_decode_attention
     from sgl_kernel_sparse.triton_turboquant import turboquant_decode_attention
 
     b, hq, hkv, d, slots, group, n_blk = 4, 32, 8, 128, 4096, 32, 256
@@ -189,6 +217,21 @@ def _exercise_quant(dtypes) -> None:
             for splits in (1, 4):
                 turboquant_decode_attention(q, codes, norms, codes, norms, rot, cb, cb, table, req, req,
                                             kc, kc, r2t, req, bits, num_splits=splits)
+    # (latent groups, rank, rotary_dim, neox, biases); fp32 (3xTF32 dots) spills from rank 64 on
+    # (~320 bytes at 4 warps), so only rank 32 compiles in fp32
+    for ng, rank, rd, neox, bias in ((8, 64, 128, True, False), (8, 64, 128, False, True),
+                                     (4, 128, 128, True, False), (8, 32, 64, True, True)):
+        fac = torch.zeros(ng, rank, hkv // ng * d)
+        bi = torch.zeros(hkv * d) if bias else None
+        for dt in dtypes:
+            if dt == torch.float32 and rank >= 64:
+                continue
+            q = torch.zeros(b, hq, d, dtype=dt)
+            lat = torch.zeros(n_blk, ng, group, rank, dtype=dt)
+            kc = torch.zeros(slots, hkv, d, dtype=dt)
+            for splits in (1, 4):
+                palu_decode_attention(q, lat, lat, fac, fac, bi, bi, torch.zeros(slots, rd), neox, table, req,
+                                      req, kc, kc, r2t, req, num_splits=splits)
     k8 = torch.zeros(slots, hkv, d, dtype=torch.float8_e4m3fn)
     for dt in dtypes:
         q = torch.zeros(b, hq, d, dtype=dt)
@@ -226,12 +269,14 @@ def main() -> int:
     ap.add_argument("--groups", default="core",
                     help=f"comma list of kernel groups {','.join(GROUPS)} (default: core)")
     ap.add_argument("--json", help="also write the report here")
+    ap.add_argument("--ptx-hash", action="store_true",
+                    help="add a hash of each variant's PTX without source locations (see ptx_hash)")
     args = ap.parse_args()
     groups = args.groups.split(",")
     if not set(groups) <= set(GROUPS):
         ap.error(f"--groups: unknown {sorted(set(groups) - set(GROUPS))}")
     try:
-        report = compile_all(args.arch, args.dtypes.split(","), groups)
+        report = compile_all(args.arch, args.dtypes.split(","), groups, args.ptx_hash)
     except Exception as exc:  # a compile error: say which, fail
         print(f"compile failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
@@ -242,7 +287,8 @@ def main() -> int:
             continue
         seen.add(key)
         print(f"{r['kernel']:<24} warps={r['num_warps']} regs={r['registers']:>3} "
-              f"spill={r['spill_bytes']:>4}B smem={r['shared']:>6}B {r['constexprs']}")
+              f"spill={r['spill_bytes']:>4}B smem={r['shared']:>6}B {r['constexprs']}"
+              + (f" ptx={r['ptx_hash']}" if "ptx_hash" in r else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     spilled = [r["kernel"] for r in report if r["spill_bytes"] > args.max_spill]

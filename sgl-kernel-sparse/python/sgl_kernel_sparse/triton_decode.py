@@ -90,15 +90,71 @@ def _paged_slots(IDX, REQ_TO_TOKEN, n, stop, req, seq_len, b, h, s_ib, s_ih, s_i
 
 
 @triton.jit
-def _group_softmax_step(logit, m_i, l_i, acc):
-    """One tile's online-softmax update for a GQA group's query tile (base-2 logits
-    ``[BLOCK_H, BLOCK_N]``, invalid ones -inf): returns ``(p, m_new, l_i, acc)`` with ``acc``
-    rescaled (the caller adds ``p @ v``). Shared by the GQA decode kernels (paged GQA, Palu)."""
+def _group_program(REQ_ROWS, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Where a GQA decode program (grid ``(B, Hkv, S)``) stands: request ``b``, KV head ``kvh``,
+    split ``s`` of ``n_split``, ``hq`` query heads in all, the request's table row ``req``, the
+    channels ``d`` (``dmask``: < D) and the query heads ``heads`` of KV head kvh (``hmask``:
+    real, not padding). Returns ``(b, kvh, s, n_split, hq, req, d, dmask, hmask, heads)``."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    n_split = tl.num_programs(2)
+    hq = tl.num_programs(1) * GROUP
+    req = tl.load(REQ_ROWS + b).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    hh = tl.arange(0, BLOCK_H)  # the GROUP query heads of this KV head (rows >= GROUP: padding)
+    hmask = hh < GROUP
+    heads = kvh * GROUP + hh
+    return b, kvh, s, n_split, hq, req, d, dmask, hmask, heads
+
+
+@triton.jit
+def _split_share(n, s, n_split, BLOCK_N: tl.constexpr):
+    """Split s's share of ``n`` entries, ``[s*c, min((s+1)*c, n))`` with ``c = cdiv(n, n_split)``
+    rounded up to BLOCK_N: returns its ``(start, stop)``."""
+    c = tl.cdiv(tl.cdiv(n, n_split), BLOCK_N) * BLOCK_N
+    start = s * c
+    return start, tl.minimum(start + c, n)
+
+
+@triton.jit
+def _softmax_weights(logit, m_i):
+    """A GQA group's query tile against one tile of keys (base-2 logits ``[BLOCK_H, BLOCK_N]``,
+    invalid ones -inf), before the online-softmax update: returns ``(p, m_new, alpha)``, the
+    tile's weights, the new running maximum and the factor that rescales what came before."""
     m_new = tl.maximum(m_i, tl.max(logit, axis=1))
     m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet: avoid inf - inf
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(logit - m_ref[:, None])
+    return p, m_new, alpha
+
+
+@triton.jit
+def _group_softmax_step(logit, m_i, l_i, acc):
+    """One tile's online-softmax update for a GQA group's query tile (``_softmax_weights``):
+    returns ``(p, m_new, l_i, acc)`` with ``acc`` rescaled (the caller adds ``p @ v``). Shared by
+    the GQA decode kernels (paged GQA, Palu)."""
+    p, m_new, alpha = _softmax_weights(logit, m_i)
     return p, m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None]
+
+
+@triton.jit
+def _residual_tile(K, REQ_TO_TOKEN, qd, n0, r1, req, kvh, d, dmask, s_ks, s_kh, s_rt, PRECISION: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """Residual rows ``[n0, n0 + BLOCK_N)`` (those < ``r1``) of a GQA program: row j at slot
+    ``req_to_token[req, j]`` of the token-major pool. Returns the base-2 logits of the query tile
+    ``qd`` against their keys (``[BLOCK_H, BLOCK_N]``, -inf past r1; dots in qd's dtype), their
+    slots and the mask of their ``[BLOCK_N, BLOCK_D]`` tiles, for the caller's value load. Shared by
+    the residual loops of KIVI, TurboQuant and Palu; each keeps its own online-softmax update
+    (KIVI rescales after the value load, the others before: the order shows in the compiled code)."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    ok = n < r1
+    slot = tl.load(REQ_TO_TOKEN + req * s_rt + n, mask=ok, other=0).to(tl.int64)
+    row_mask = ok[:, None] & dmask[None, :]
+    k = tl.load(K + slot[:, None] * s_ks + kvh * s_kh + d[None, :], mask=row_mask, other=0.0)
+    logit = tl.dot(qd, tl.trans(k.to(qd.dtype)), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
+    return tl.where(ok[None, :], logit, -float("inf")), slot, row_mask
 
 
 @triton.jit

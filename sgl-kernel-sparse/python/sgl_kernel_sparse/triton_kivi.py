@@ -28,7 +28,8 @@ import triton.language as tl
 
 from .quant import KIVI_GROUP, check_kivi_layout
 from .triton_common import check_device, check_rows, interpreting, num_sms, pow2
-from .triton_decode import _store_group, merge_splits, split_buffers
+from .triton_decode import (_group_program, _residual_tile, _softmax_weights, _split_share, _store_group,
+                            merge_splits, split_buffers)
 
 LOG2E = 1.4426950408889634
 
@@ -59,17 +60,7 @@ def _kivi_decode_kernel(
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT16: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    s = tl.program_id(2)
-    n_split = tl.num_programs(2)
-    hq = tl.num_programs(1) * GROUP
-    req = tl.load(REQ_ROWS + b).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
-    hh = tl.arange(0, BLOCK_H)  # the GROUP query heads of this KV head (rows >= GROUP: padding)
-    hmask = hh < GROUP
-    heads = kvh * GROUP + hh
+    b, kvh, s, n_split, hq, req, d, dmask, hmask, heads = _group_program(REQ_ROWS, GROUP, BLOCK_H, D, BLOCK_D)
     # qk_scale = softmax scale * log2(e): logits are in base 2, exp2 below
     q = (tl.load(Q + b * s_qb + heads[:, None] * s_qh + d[None, :], mask=hmask[:, None] & dmask[None, :],
                 other=0.0).to(tl.float32) * qk_scale).to(tl.float32)  # [BLOCK_H, BLOCK_D]
@@ -96,10 +87,7 @@ def _kivi_decode_kernel(
         k = _unpack_tile(KC, blk * s_kcb + kvh * s_kch, t, jb, bmask, s_kct, BITS, G, BLOCK_D)
         k = k * ks[None, :] + km[None, :]  # dequantized keys [G, BLOCK_D], registers only
         logit = tl.dot(qd, tl.trans(k.to(DT)), input_precision=PRECISION)  # [BLOCK_H, G]
-        m_new = tl.maximum(m_i, tl.max(logit, axis=1))  # every token of a block is valid
-        m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(logit - m_ref[:, None])
+        p, m_new, alpha = _softmax_weights(logit, m_i)  # every token of a block is valid
         # values: one (scale, min) per token and group of G channels, broadcast over the group
         # by viewing the tile as [G tokens, BLOCK_D // G groups, G channels]
         vs = tl.load(VS + blk * s_vsb + kvh * s_vsh + t[:, None] * s_vst + cg[None, :],
@@ -114,22 +102,11 @@ def _kivi_decode_kernel(
         m_i = m_new
 
     # 2. full-precision residual rows of the token-major pool
-    rl = tl.load(RES_LEN + b).to(tl.int32)
-    rc = tl.cdiv(tl.cdiv(rl, n_split), BLOCK_N) * BLOCK_N
-    r0 = s * rc
-    r1 = tl.minimum(r0 + rc, rl)
+    r0, r1 = _split_share(tl.load(RES_LEN + b).to(tl.int32), s, n_split, BLOCK_N)
     for n0 in range(r0, r1, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        ok = n < r1
-        slot = tl.load(REQ_TO_TOKEN + req * s_rt + n, mask=ok, other=0).to(tl.int64)
-        row_mask = ok[:, None] & dmask[None, :]
-        k = tl.load(K + slot[:, None] * s_ks + kvh * s_kh + d[None, :], mask=row_mask, other=0.0)
-        logit = tl.dot(qd, tl.trans(k.to(DT)), input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
-        logit = tl.where(ok[None, :], logit, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(logit, axis=1))
-        m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(logit - m_ref[:, None])
+        logit, slot, row_mask = _residual_tile(K, REQ_TO_TOKEN, qd, n0, r1, req, kvh, d, dmask, s_ks, s_kh, s_rt,
+                                               PRECISION, BLOCK_N)
+        p, m_new, alpha = _softmax_weights(logit, m_i)
         v = tl.load(V + slot[:, None] * s_vs + kvh * s_vh + d[None, :], mask=row_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(DT), v.to(DT), input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, axis=1)

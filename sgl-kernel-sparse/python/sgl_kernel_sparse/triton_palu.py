@@ -38,8 +38,8 @@ import triton
 import triton.language as tl
 
 from .triton_common import check_device, check_gqa, check_rows, interpreting, pow2
+from .triton_decode import _residual_tile, _split_share, _store_group, merge_splits, split_buffers
 from .triton_decode import _group_softmax_step as _online_step
-from .triton_decode import _store_group, merge_splits, split_buffers
 from .triton_kivi import plan_kivi_splits
 
 LOG2E = 1.4426950408889634
@@ -57,6 +57,8 @@ def _palu_decode_kernel(
     HAS_BK: tl.constexpr, HAS_BV: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
     DOT16: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # the prologue of triton_decode._group_program, in its own order: heads before channels (as
+    # one helper call, the reordered PTX of this kernel differs; registers and spills do not)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -106,10 +108,7 @@ def _palu_decode_kernel(
     acc_lat = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)  # history values, latent space
 
     # 1. the history: nt tokens of whole blocks, BLOCK_N at a time (a tile may span blocks)
-    nt = tl.load(N_BLOCKS + b).to(tl.int32) * G
-    hc = tl.cdiv(tl.cdiv(nt, n_split), BLOCK_N) * BLOCK_N
-    h0 = s * hc
-    h1 = tl.minimum(h0 + hc, nt)
+    h0, h1 = _split_share(tl.load(N_BLOCKS + b).to(tl.int32) * G, s, n_split, BLOCK_N)
     for n0 in range(h0, h1, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)  # logical positions
         ok = n < h1
@@ -148,18 +147,10 @@ def _palu_decode_kernel(
         acc += l_i[:, None] * tl.load(BIAS_V + kvh * D + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
 
     # 2. full-precision residual rows of the token-major pool
-    rl = tl.load(RES_LEN + b).to(tl.int32)
-    rc = tl.cdiv(tl.cdiv(rl, n_split), BLOCK_N) * BLOCK_N
-    r0 = s * rc
-    r1 = tl.minimum(r0 + rc, rl)
+    r0, r1 = _split_share(tl.load(RES_LEN + b).to(tl.int32), s, n_split, BLOCK_N)
     for n0 in range(r0, r1, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        ok = n < r1
-        slot = tl.load(REQ_TO_TOKEN + req * s_rt + n, mask=ok, other=0).to(tl.int64)
-        row_mask = ok[:, None] & dmask[None, :]
-        k = tl.load(K + slot[:, None] * s_ks + kvh * s_kh + d[None, :], mask=row_mask, other=0.0)
-        logit = tl.dot(qd, tl.trans(k.to(DT)), input_precision=PRECISION)
-        logit = tl.where(ok[None, :], logit, -float("inf"))
+        logit, slot, row_mask = _residual_tile(K, REQ_TO_TOKEN, qd, n0, r1, req, kvh, d, dmask, s_ks, s_kh, s_rt,
+                                               PRECISION, BLOCK_N)
         p, m_i, l_i, acc = _online_step(logit, m_i, l_i, acc)
         v = tl.load(V + slot[:, None] * s_vs + kvh * s_vh + d[None, :], mask=row_mask, other=0.0)
         acc += tl.dot(p.to(DT), v.to(DT), input_precision=PRECISION)

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .triton_common import check_device, check_gqa, check_rows, interpreting, pow2
-from .triton_decode import merge_splits, split_buffers
+from .triton_decode import _group_program, _residual_tile, _softmax_weights, _split_share, merge_splits, split_buffers
 from .triton_kivi import plan_kivi_splits
 
 LOG2E = 1.4426950408889634
@@ -88,10 +88,7 @@ def _online_step(logit, m_i, l_i, acc_a, acc_b):
     """One tile's online-softmax update (base-2 logits ``[BLOCK_H, BLOCK_N]``, invalid ones -inf):
     returns ``(p, m_new, l_i, acc_a, acc_b)`` with both accumulators rescaled (the caller adds
     ``p @ v`` to the one this tile belongs to)."""
-    m_new = tl.maximum(m_i, tl.max(logit, axis=1))
-    m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet: avoid inf - inf
-    alpha = tl.exp2(m_i - m_ref)
-    p = tl.exp2(logit - m_ref[:, None])
+    p, m_new, alpha = _softmax_weights(logit, m_i)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     return p, m_new, l_i, acc_a * alpha[:, None], acc_b * alpha[:, None]
 
@@ -108,17 +105,7 @@ def _turboquant_decode_kernel(
     VBITS: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT16: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    s = tl.program_id(2)
-    n_split = tl.num_programs(2)
-    hq = tl.num_programs(1) * GROUP
-    req = tl.load(REQ_ROWS + b).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
-    hh = tl.arange(0, BLOCK_H)  # the GROUP query heads of this KV head (rows >= GROUP: padding)
-    hmask = hh < GROUP
-    heads = kvh * GROUP + hh
+    b, kvh, s, n_split, hq, req, d, dmask, hmask, heads = _group_program(REQ_ROWS, GROUP, BLOCK_H, D, BLOCK_D)
     qmask = hmask[:, None] & dmask[None, :]
     DT = Q.dtype.element_ty if DOT16 else tl.float32  # dot operands (accumulation is fp32)
     # qk_scale = softmax scale * log2(e): logits are in base 2, exp2 below
@@ -132,10 +119,7 @@ def _turboquant_decode_kernel(
     acc_r = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)  # residual
 
     # 1. the history: nt tokens of whole blocks, BLOCK_N at a time (a tile may span blocks)
-    nt = tl.load(N_BLOCKS + b).to(tl.int32) * G
-    hc = tl.cdiv(tl.cdiv(nt, n_split), BLOCK_N) * BLOCK_N
-    h0 = s * hc
-    h1 = tl.minimum(h0 + hc, nt)
+    h0, h1 = _split_share(tl.load(N_BLOCKS + b).to(tl.int32) * G, s, n_split, BLOCK_N)
     for n0 in range(h0, h1, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         ok = n < h1
@@ -155,18 +139,10 @@ def _turboquant_decode_kernel(
         acc_h += tl.dot((p * vn[None, :]).to(DT), v.to(DT), input_precision=PRECISION)
 
     # 2. full-precision residual rows of the token-major pool
-    rl = tl.load(RES_LEN + b).to(tl.int32)
-    rc = tl.cdiv(tl.cdiv(rl, n_split), BLOCK_N) * BLOCK_N
-    r0 = s * rc
-    r1 = tl.minimum(r0 + rc, rl)
+    r0, r1 = _split_share(tl.load(RES_LEN + b).to(tl.int32), s, n_split, BLOCK_N)
     for n0 in range(r0, r1, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        ok = n < r1
-        slot = tl.load(REQ_TO_TOKEN + req * s_rt + n, mask=ok, other=0).to(tl.int64)
-        row_mask = ok[:, None] & dmask[None, :]
-        k = tl.load(K + slot[:, None] * s_ks + kvh * s_kh + d[None, :], mask=row_mask, other=0.0)
-        logit = tl.dot(qd, tl.trans(k.to(DT)), input_precision=PRECISION)
-        logit = tl.where(ok[None, :], logit, -float("inf"))
+        logit, slot, row_mask = _residual_tile(K, REQ_TO_TOKEN, qd, n0, r1, req, kvh, d, dmask, s_ks, s_kh, s_rt,
+                                               PRECISION, BLOCK_N)
         p, m_i, l_i, acc_h, acc_r = _online_step(logit, m_i, l_i, acc_h, acc_r)
         v = tl.load(V + slot[:, None] * s_vs + kvh * s_vh + d[None, :], mask=row_mask, other=0.0)
         acc_r += tl.dot(p.to(DT), v.to(DT), input_precision=PRECISION)
