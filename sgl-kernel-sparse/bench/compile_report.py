@@ -121,7 +121,14 @@ def compile_all(arch: int = 90, dtypes=("fp16", "bf16", "fp32"), groups=("core",
             row["ptx_hash"] = ptx_hash(kernel.asm["ptx"])
         report.append(row)
 
-    tc.interpreting = lambda: True  # let the wrappers accept CPU tensors
+    # Let the wrappers accept CPU tensors: check_device reads triton_common.interpreting at each
+    # call. The wrappers that pick a launch option by interpreting() (bf16 dots off under the
+    # interpreter: KIVI, TurboQuant, Palu, KVzip) bound the real one when imported, so they are
+    # imported first and compile what a GPU launch compiles.
+    from sgl_kernel_sparse import triton_kivi, triton_kvzip, triton_palu, triton_turboquant  # noqa: F401
+
+    real = tc.interpreting
+    tc.interpreting = lambda: True
     saved = JITFunction.run
     JITFunction.run = aot_run
     try:
@@ -129,6 +136,7 @@ def compile_all(arch: int = 90, dtypes=("fp16", "bf16", "fp32"), groups=("core",
             EXERCISE[group]([DTYPES[d] for d in dtypes])
     finally:
         JITFunction.run = saved
+        tc.interpreting = real
     return report
 
 

@@ -26,7 +26,7 @@ partial output and log-sum-exp, merged by ``triton_decode._decode_reduce_kernel`
 pass-through width are padded to powers of two >= 16 (tl.dot tiles) with masks. The factor
 tiles of the head are loaded once per program (before the loops) and stay in registers: 8 warps
 by default (compiled for sm_90 without a GPU, ptxas -v, d 128, tiles of 32 tokens: bf16 r 64
-124 registers, r 128 193, no spills; 4 warps spill at r 128; fp32 spills at r 128 with either).
+124 registers, r 128 193, no spills; 4 warps spill at r 128; fp32 spills from r 64 at 4 warps, ~320 bytes).
 No host sync: CUDA-graph safe. Status: equal to the reference under the Triton interpreter
 (``test/test_palu_kernel.py``); not yet run on a GPU.
 """
