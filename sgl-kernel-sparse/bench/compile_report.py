@@ -122,10 +122,10 @@ def compile_all(arch: int = 90, dtypes=("fp16", "bf16", "fp32"), groups=("core",
         report.append(row)
 
     # Let the wrappers accept CPU tensors: check_device reads triton_common.interpreting at each
-    # call. The wrappers that pick a launch option by interpreting() (bf16 dots off under the
-    # interpreter: KIVI, TurboQuant, Palu, KVzip) bound the real one when imported, so they are
-    # imported first and compile what a GPU launch compiles.
-    from sgl_kernel_sparse import triton_kivi, triton_kvzip, triton_palu, triton_turboquant  # noqa: F401
+    # call. The modules that pick a launch option by interpreting() (bf16 dots off under the
+    # interpreter: triton_kivi.plan_tiles for KIVI, TurboQuant and Palu; KVzip) bind the real one
+    # when imported, so they are imported first and compile what a GPU launch compiles.
+    from sgl_kernel_sparse import triton_kivi, triton_kvzip  # noqa: F401
 
     real = tc.interpreting
     tc.interpreting = lambda: True

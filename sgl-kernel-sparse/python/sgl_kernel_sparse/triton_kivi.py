@@ -125,6 +125,27 @@ def plan_kivi_splits(programs, max_blocks, device, num_splits=None):
     return max(1, min(want, triton.cdiv(max_blocks, 2), 64))
 
 
+def check_tables(req_to_token, block_table) -> None:
+    """The kernels read a request's slots and blocks as contiguous rows."""
+    if req_to_token.stride(1) != 1 or block_table.stride(1) != 1:
+        raise ValueError("req_to_token and block_table rows must be contiguous")
+
+
+def plan_tiles(q, d, block_n=None, dot16=None):
+    """The tiles of the quantized-history GQA kernels (KIVI, TurboQuant, Palu): returns
+    ``(BLOCK_D, BLOCK_N, fp32, dot16)``. BLOCK_N: 32 x 128 tiles as the sparse decode kernel, at
+    least 16 (a tl.dot dimension); fp32 inputs take 3xTF32 dots, fp16 / bf16 16-bit dot operands
+    (``dot16``), except bf16 under Triton's CPU interpreter, which casts to bf16 by bits (wrong
+    dots): fp32 there."""
+    block_d = pow2(d, 16)
+    if block_n is None:
+        block_n = 32 if block_d <= 128 else 16
+    fp32 = q.dtype == torch.float32
+    if dot16 is None:
+        dot16 = not fp32 and not (interpreting() and q.dtype == torch.bfloat16)
+    return block_d, max(16, block_n), fp32, bool(dot16) and not fp32
+
+
 def kivi_decode_attention(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, block_table,
                           req_rows, n_blocks, k_cache, v_cache, req_to_token, res_len, bits,
                           group=KIVI_GROUP, scale=None, num_splits=None, block_n=None, dot16=None):
@@ -138,19 +159,11 @@ def kivi_decode_attention(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, b
         raise ValueError(f"the Triton kernel needs a power-of-2 group of at least 16 (a tl.dot tile), got {group}")
     check_rows(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, k_cache, v_cache)
     check_device(block_table, req_rows, n_blocks, req_to_token, res_len)
-    if req_to_token.stride(1) != 1 or block_table.stride(1) != 1:
-        raise ValueError("req_to_token and block_table rows must be contiguous")
+    check_tables(req_to_token, block_table)
     out = torch.empty_like(q)
     if b == 0 or hq == 0:
         return out
-    block_d = pow2(d, 16)
-    if block_n is None:  # 32 x 128 tiles, as the sparse decode kernel
-        block_n = 32 if block_d <= 128 else 16
-    block_n = max(16, block_n)  # a tl.dot dimension
-    fp32 = q.dtype == torch.float32
-    if dot16 is None:  # Triton's CPU interpreter casts to bf16 by bits (wrong dots): fp32 there
-        dot16 = not fp32 and not (interpreting() and q.dtype == torch.bfloat16)
-    dot16 = bool(dot16) and not fp32
+    block_d, block_n, fp32, dot16 = plan_tiles(q, d, block_n, dot16)
     splits = plan_kivi_splits(b * hkv, block_table.shape[1], q.device, num_splits)
     split = splits > 1
     o_part, lse_part = split_buffers(out, splits)

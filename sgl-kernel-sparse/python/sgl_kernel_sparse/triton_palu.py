@@ -38,10 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import check_device, check_gqa, check_rows, interpreting, pow2
+from .triton_common import check_device, check_gqa, check_rows, pow2
 from .triton_decode import _residual_tile, _split_share, _store_group, merge_splits, split_buffers
 from .triton_decode import _group_softmax_step as _online_step
-from .triton_kivi import plan_kivi_splits
+from .triton_kivi import check_tables, plan_kivi_splits, plan_tiles
 
 LOG2E = 1.4426950408889634
 
@@ -203,19 +203,11 @@ def palu_decode_attention(q, lat_k, lat_v, bk, bv, bias_k, bias_v, cos_sin, neox
     b, hq, _ = q.shape
     check_rows(q, lat_k, lat_v, bk, bv, k_cache, v_cache, cos_sin)
     check_device(block_table, req_rows, n_blocks, req_to_token, res_len)
-    if req_to_token.stride(1) != 1 or block_table.stride(1) != 1:
-        raise ValueError("req_to_token and block_table rows must be contiguous")
+    check_tables(req_to_token, block_table)
     out = torch.empty_like(q)
     if b == 0 or hq == 0:
         return out
-    block_d = pow2(d, 16)
-    if block_n is None:  # 32 x 128 tiles, as the KIVI kernel's residual
-        block_n = 32 if block_d <= 128 else 16
-    block_n = max(16, block_n)  # a tl.dot dimension
-    fp32 = q.dtype == torch.float32
-    if dot16 is None:  # Triton's CPU interpreter casts to bf16 by bits (wrong dots): fp32 there
-        dot16 = not fp32 and not (interpreting() and q.dtype == torch.bfloat16)
-    dot16 = bool(dot16) and not fp32
+    block_d, block_n, fp32, dot16 = plan_tiles(q, d, block_n, dot16)
     # splits sized as KIVI's, counting the longest possible history in units of 32 tokens
     splits = plan_kivi_splits(b * hkv, triton.cdiv(block_table.shape[1] * group, 32), q.device, num_splits)
     o_part, lse_part = split_buffers(out, splits)
