@@ -30,6 +30,9 @@ if str(ROOT / "sgl-kernel-sparse" / "python") not in sys.path:  # the package fr
 from sgl_kernel_sparse import palu  # noqa: E402
 
 from interpreter_cases import compile_report_rows, interpreter_test, report, run_cases  # noqa: E402
+import quant_case  # noqa: E402
+from quant_case import (assert_empty_requests_zero, block_table, residual_pool,  # noqa: E402
+                        strided_query, to_cuda)
 
 
 def rope_table(max_pos, rd, base=10000.0):
@@ -63,44 +66,28 @@ def palu_inputs(b, hq, hkv, d, n_groups, rank, group, n_blocks, res_lens, dtype,
     bv = torch.randn(n_groups, rank, hg * d, generator=g) / rank**0.5
     bias_k = torch.randn(hkv * d, generator=g) * 0.5 if bias else None
     bias_v = torch.randn(hkv * d, generator=g) * 0.5 if bias else None
-    max_blocks = max(n_blocks) + 2
-    cos_sin = rope_table(max_blocks * group + 8, d if rd is None else rd)
-    table = torch.full((n_req, max_blocks), poison, dtype=torch.int32)
-    req_rows = torch.randperm(n_req, generator=g)[:b]
-    order = torch.randperm(n_blk - 1, generator=g).tolist()
-    for i, nb in enumerate(n_blocks):
-        table[req_rows[i], :nb] = torch.tensor([order.pop() for _ in range(nb)], dtype=torch.int32)
+    table, req_rows = block_table(g, b, n_req, n_blocks, poison)
+    cos_sin = rope_table(table.shape[1] * group + 8, d if rd is None else rd)  # every table position
     if share and b > 1 and n_blocks[0] and n_blocks[1]:  # a shared prefix of blocks
         k = min(n_blocks[0], n_blocks[1], 2)
         table[req_rows[1], :k] = table[req_rows[0], :k]
-    ctx = max(res_lens) + 4
-    num_slots = n_req * ctx + 5
-    buf = torch.randn(num_slots, 2, hkv, d, generator=g).to(dtype)
-    k_cache, v_cache = buf[:, 0], buf[:, 1]
-    r2t = torch.randperm(num_slots, generator=g)[: n_req * ctx].view(n_req, ctx)
-    for i, r in enumerate(res_lens):  # rows past res_len: poisoned slots, never read
-        bad = r2t[req_rows[i], r:].long()
-        k_cache[bad] = float("nan")
-        v_cache[bad] = float("nan")
-    q = (torch.randn(b, hq, 2 * d, generator=g) * 2).to(dtype)[..., :d]
+    k_cache, v_cache, r2t = residual_pool(g, n_req, req_rows, res_lens, hkv, d, dtype)
+    q = strided_query(g, b, hq, d, dtype, scale=2)
     return dict(q=q, lat_k=lat_k, lat_v=lat_v, bk=bk, bv=bv, bias_k=bias_k, bias_v=bias_v, cos_sin=cos_sin,
                 neox=neox, block_table=table.to(idx_dtype), req_rows=req_rows,
                 n_blocks=torch.tensor(n_blocks, dtype=torch.int32), k_cache=k_cache, v_cache=v_cache,
                 req_to_token=r2t.to(idx_dtype), res_len=torch.tensor(res_lens, dtype=torch.int32))
 
 
+# fp16 / bf16: the kernel rounds the scaled query, each rebuilt (rotated) key, the factors and
+# the probabilities to the input dtype for its dots (bf16 in fp32 under the interpreter); the
+# reference rebuilds and attends in fp32
+TOL = {**quant_case.TOL, torch.float16: (5e-3, 1e-2)}
+
+
 def close(got, want, dtype, what):
-    # fp16 / bf16: the kernel rounds the scaled query, each rebuilt (rotated) key, the factors and
-    # the probabilities to the input dtype for its dots (bf16 in fp32 under the interpreter); the
-    # reference rebuilds and attends in fp32
-    tol = {torch.float32: (1e-4, 1e-4), torch.float16: (5e-3, 1e-2), torch.bfloat16: (1.6e-2, 2e-2)}
-    atol, rtol = tol[dtype]
-    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    assert not want.isnan().any(), f"{what}: the reference read poisoned data"
-    err = (got.float() - want.float()).abs()
-    bad = ~(err <= atol + rtol * want.float().abs())  # NaN counts as off
-    assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} off, max err {err.max():.3g}"
+    """``quant_case.close`` at this kernel's tolerances (``TOL``)."""
+    quant_case.close(got, want, dtype, what, TOL)
 
 
 def test_inputs_are_the_store_layout():
@@ -118,9 +105,7 @@ def _case(T, dtype, hq, hkv, d, ng, rank, group, n_blocks, res_lens, seed, split
     for sp in splits:
         got = T.palu_decode_attention(**x, num_splits=sp, block_n=block_n)
         close(got, want, dtype, f"palu D={d} r={rank} G={group} splits={sp} {kw}")
-        for b, (nb, nr) in enumerate(zip(n_blocks, res_lens)):
-            if nb == 0 and nr == 0:
-                assert (got[b] == 0).all(), "a request with nothing must output zeros"
+        assert_empty_requests_zero(got, n_blocks, res_lens)
 
 
 def case_fp32_d64_r32_g16_neox_ragged(T):
@@ -273,10 +258,6 @@ def test_palu_kernel_compiles_for_sm90_without_spills(tmp_path):
 # ============================================================ GPU: compiled kernel, real shapes
 
 
-def _cuda(x):
-    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in x.items()}
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("neox", [True, False])
 def test_gpu_palu_decode_qwen3_8b_shape(neox):
@@ -287,8 +268,8 @@ def test_gpu_palu_decode_qwen3_8b_shape(neox):
     from sgl_kernel_sparse.triton_palu import palu_decode_attention
 
     nb = (32768 - 64) // 32
-    x = _cuda(palu_inputs(4, 32, 8, 128, 8, 64, 32, [nb, nb - 37, 5, 0], [64, 0, 40, 50], torch.bfloat16, 900,
-                          neox=neox, bias=not neox))
+    x = to_cuda(palu_inputs(4, 32, 8, 128, 8, 64, 32, [nb, nb - 37, 5, 0], [64, 0, 40, 50], torch.bfloat16, 900,
+                            neox=neox, bias=not neox))
     want = palu.palu_decode_attention(**x)
     for splits in (None, 1, 7):
         close(palu_decode_attention(**x, num_splits=splits), want, torch.bfloat16, f"splits={splits}")

@@ -37,6 +37,8 @@ from sgl_kernel_sparse import quant as Q  # noqa: E402
 
 
 from interpreter_cases import interpreter_test, report, run_cases  # noqa: E402
+from quant_case import (assert_empty_requests_zero, block_table, close,  # noqa: E402
+                        poison_slots_past, residual_pool, strided_query, to_cuda)
 
 
 # ============================================================ shared input builders
@@ -64,22 +66,9 @@ def kivi_inputs(b, hq, hkv, d, bits, group, n_blocks, res_lens, dtype, seed,
             return buf[:, 0], buf[:, 1]
         kc, vc = fuse(kc, vc)
         ks, vs = fuse(ks, torch.zeros_like(ks))[0], fuse(vs, torch.zeros_like(vs))[0]
-    max_blocks = max(n_blocks) + 2
-    table = torch.full((n_req, max_blocks), poison, dtype=torch.int32)
-    req_rows = torch.randperm(n_req, generator=g)[:b]
-    order = torch.randperm(n_blk - 1, generator=g).tolist()
-    for i, nb in enumerate(n_blocks):
-        table[req_rows[i], :nb] = torch.tensor([order.pop() for _ in range(nb)], dtype=torch.int32)
-    ctx = max(res_lens) + 4
-    num_slots = n_req * ctx + 5
-    buf = torch.randn(num_slots, 2, hkv, d, generator=g).to(dtype)
-    k_cache, v_cache = buf[:, 0], buf[:, 1]
-    r2t = torch.randperm(num_slots, generator=g)[: n_req * ctx].view(n_req, ctx)
-    for i, r in enumerate(res_lens):  # rows past res_len: poisoned slots, never read
-        bad = r2t[req_rows[i], r:].long()
-        k_cache[bad] = float("nan")
-        v_cache[bad] = float("nan")
-    q = torch.randn(b, hq, 2 * d, generator=g).to(dtype)[..., :d]
+    table, req_rows = block_table(g, b, n_req, n_blocks, poison)
+    k_cache, v_cache, r2t = residual_pool(g, n_req, req_rows, res_lens, hkv, d, dtype)
+    q = strided_query(g, b, hq, d, dtype)
     return dict(
         q=q, k_codes=kc, k_scale=ks, k_min=km, v_codes=vc, v_scale=vs, v_min=vm,
         block_table=table.to(idx_dtype), req_rows=req_rows,
@@ -102,25 +91,11 @@ def fp8_inputs(b, hq, hkv, d, seq_lens, dtype, seed, per_head=True, idx_dtype=to
     k8, v8 = Q.fp8_quantize(k, k_scale), Q.fp8_quantize(v, v_scale)
     r2t = torch.randperm(num_slots, generator=g)[: n_req * ctx].view(n_req, ctx)
     req_rows = torch.randperm(n_req, generator=g)[:b]
-    for i, n in enumerate(seq_lens):
-        bad = r2t[req_rows[i], n:].long()
-        k8[bad] = float("nan")
-        v8[bad] = float("nan")
+    poison_slots_past(r2t, req_rows, seq_lens, k8, v8)
     q = torch.randn(b, hq, d, generator=g).to(dtype)
     return dict(q=q, k8=k8, v8=v8, k_scale=k_scale, v_scale=v_scale,
                 req_to_token=r2t.to(idx_dtype), req_rows=req_rows,
                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
-
-
-def close(got, want, dtype, what):
-    tol = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 1e-2), torch.bfloat16: (1.6e-2, 2e-2)}
-    atol, rtol = tol[dtype]
-    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    assert not want.isnan().any(), f"{what}: the reference read poisoned data"
-    err = (got.float() - want.float()).abs()
-    bad = ~(err <= atol + rtol * want.float().abs())  # NaN counts as off
-    assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} off, max err {err.max():.3g}"
 
 
 # ============================================================ references by definition
@@ -339,9 +314,7 @@ def _kivi_case(T, dtype, hq, hkv, d, bits, group, n_blocks, res_lens, seed, spli
     for sp in splits:
         got = T.kivi_decode_attention(**x, scale=scale, num_splits=sp, block_n=block_n)
         close(got, want, dtype, f"kivi bits={bits} D={d} G={group} splits={sp}")
-        for b, (nb, nr) in enumerate(zip(n_blocks, res_lens)):
-            if nb == 0 and nr == 0:
-                assert (got[b] == 0).all(), "a request with nothing must output zeros"
+        assert_empty_requests_zero(got, n_blocks, res_lens)
 
 
 def case_kivi_fp32_bits2_gqa2_ragged(T):
@@ -460,10 +433,6 @@ def test_quant_kernels_compile_for_sm90_without_spills(tmp_path):
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
-def _cuda(x):
-    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in x.items()}
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [2, 4])
@@ -471,8 +440,8 @@ def _cuda(x):
 def test_gpu_kivi_decode(dtype, bits, hq, hkv, d):
     from sgl_kernel_sparse.triton_kivi import kivi_decode_attention
 
-    x = _cuda(kivi_inputs(4, hq, hkv, d, bits, 32, [64, 64, 17, 0], [50, 0, 50, 50], dtype,
-                          500 + bits + d))
+    x = to_cuda(kivi_inputs(4, hq, hkv, d, bits, 32, [64, 64, 17, 0], [50, 0, 50, 50], dtype,
+                            500 + bits + d))
     want = Q.kivi_decode_attention(**x)
     for splits in (None, 1, 7):
         close(kivi_decode_attention(**x, num_splits=splits), want, dtype, f"splits={splits}")
@@ -484,7 +453,7 @@ def test_gpu_kivi_decode(dtype, bits, hq, hkv, d):
 def test_gpu_fp8_decode(dtype, per_head):
     from sgl_kernel_sparse.triton_fp8 import fp8_decode_attention
 
-    x = _cuda(fp8_inputs(4, 32, 8, 128, [4096 + 17, 2048, 1, 0], dtype, 600, per_head))
+    x = to_cuda(fp8_inputs(4, 32, 8, 128, [4096 + 17, 2048, 1, 0], dtype, 600, per_head))
     want = Q.fp8_decode_attention(**x)
     for splits in (None, 1, 9):
         close(fp8_decode_attention(**x, num_splits=splits), want, dtype, f"splits={splits}")

@@ -26,6 +26,9 @@ if str(ROOT / "sgl-kernel-sparse" / "python") not in sys.path:  # the package fr
 from sgl_kernel_sparse import turboquant as tq  # noqa: E402
 
 from interpreter_cases import interpreter_test, report, run_cases  # noqa: E402
+import quant_case  # noqa: E402
+from quant_case import (assert_empty_requests_zero, block_table, residual_pool,  # noqa: E402
+                        strided_query, to_cuda)
 
 
 def tq_inputs(b, hq, hkv, d, bits, group, n_blocks, res_lens, dtype, seed, idx_dtype=torch.int32,
@@ -54,22 +57,9 @@ def tq_inputs(b, hq, hkv, d, bits, group, n_blocks, res_lens, dtype, seed, idx_d
             return buf[:, 0]
         kc, vc = fuse(kc, torch.zeros_like(kc)), fuse(vc, torch.zeros_like(vc))
         kn, vn = fuse(kn, torch.zeros_like(kn)), fuse(vn, torch.zeros_like(vn))
-    max_blocks = max(n_blocks) + 2
-    table = torch.full((n_req, max_blocks), poison, dtype=torch.int32)
-    req_rows = torch.randperm(n_req, generator=g)[:b]
-    order = torch.randperm(n_blk - 1, generator=g).tolist()
-    for i, nb in enumerate(n_blocks):
-        table[req_rows[i], :nb] = torch.tensor([order.pop() for _ in range(nb)], dtype=torch.int32)
-    ctx = max(res_lens) + 4
-    num_slots = n_req * ctx + 5
-    buf = torch.randn(num_slots, 2, hkv, d, generator=g).to(dtype)
-    k_cache, v_cache = buf[:, 0], buf[:, 1]
-    r2t = torch.randperm(num_slots, generator=g)[: n_req * ctx].view(n_req, ctx)
-    for i, r in enumerate(res_lens):  # rows past res_len: poisoned slots, never read
-        bad = r2t[req_rows[i], r:].long()
-        k_cache[bad] = float("nan")
-        v_cache[bad] = float("nan")
-    q = torch.randn(b, hq, 2 * d, generator=g).to(dtype)[..., :d]
+    table, req_rows = block_table(g, b, n_req, n_blocks, poison)
+    k_cache, v_cache, r2t = residual_pool(g, n_req, req_rows, res_lens, hkv, d, dtype)
+    q = strided_query(g, b, hq, d, dtype)
     return dict(
         q=q, k_codes=kc, k_norms=kn, v_codes=vc, v_norms=vn, rot=rot, k_centroids=kcb, v_centroids=vcb,
         block_table=table.to(idx_dtype), req_rows=req_rows, n_blocks=torch.tensor(n_blocks, dtype=torch.int32),
@@ -77,19 +67,16 @@ def tq_inputs(b, hq, hkv, d, bits, group, n_blocks, res_lens, dtype, seed, idx_d
         res_len=torch.tensor(res_lens, dtype=torch.int32), bits=bits)
 
 
+# fp16: the kernel rounds the scaled (rotated) query, each dequantized key / value and the
+# probabilities to fp16 for its tensor-core dots; the reference dequantizes and attends in fp32.
+# At d = 128, 3 bits, an output of -0.016 was 2.3e-3 off (max 3.9e-3 over the case, the
+# reference's own fp16 output 6.7e-4 from fp32; found on the H200 and under the interpreter)
+TOL = {**quant_case.TOL, torch.float16: (5e-3, 1e-2)}
+
+
 def close(got, want, dtype, what):
-    # fp16: the kernel rounds the scaled (rotated) query, each dequantized key / value and the
-    # probabilities to fp16 for its tensor-core dots; the reference dequantizes and attends in fp32.
-    # At d = 128, 3 bits, an output of -0.016 was 2.3e-3 off (max 3.9e-3 over the case, the
-    # reference's own fp16 output 6.7e-4 from fp32; found on the H200 and under the interpreter)
-    tol = {torch.float32: (1e-4, 1e-4), torch.float16: (5e-3, 1e-2), torch.bfloat16: (1.6e-2, 2e-2)}
-    atol, rtol = tol[dtype]
-    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    assert not want.isnan().any(), f"{what}: the reference read poisoned data"
-    err = (got.float() - want.float()).abs()
-    bad = ~(err <= atol + rtol * want.float().abs())  # NaN counts as off
-    assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} off, max err {err.max():.3g}"
+    """``quant_case.close`` at this kernel's tolerances (``TOL``)."""
+    quant_case.close(got, want, dtype, what, TOL)
 
 
 def test_inputs_are_the_store_layout():
@@ -109,9 +96,7 @@ def _case(T, dtype, hq, hkv, d, bits, group, n_blocks, res_lens, seed, splits, i
     for sp in splits:
         got = T.turboquant_decode_attention(**x, scale=scale, num_splits=sp, block_n=block_n)
         close(got, want, dtype, f"turboquant bits={bits} D={d} G={group} splits={sp}")
-        for b, (nb, nr) in enumerate(zip(n_blocks, res_lens)):
-            if nb == 0 and nr == 0:
-                assert (got[b] == 0).all(), "a request with nothing must output zeros"
+        assert_empty_requests_zero(got, n_blocks, res_lens)
 
 
 def case_fp32_bits3_gqa2_ragged(T):
@@ -175,10 +160,6 @@ test_triton_interpreter = interpreter_test(__file__, CASES)
 # ============================================================ GPU: compiled kernel, real shapes
 
 
-def _cuda(x):
-    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in x.items()}
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bits", [2, 3, 4])
@@ -186,7 +167,7 @@ def _cuda(x):
 def test_gpu_turboquant_decode(dtype, bits, hq, hkv, d):
     from sgl_kernel_sparse.triton_turboquant import turboquant_decode_attention
 
-    x = _cuda(tq_inputs(4, hq, hkv, d, bits, 32, [64, 64, 17, 0], [50, 0, 50, 50], dtype, 800 + bits + d))
+    x = to_cuda(tq_inputs(4, hq, hkv, d, bits, 32, [64, 64, 17, 0], [50, 0, 50, 50], dtype, 800 + bits + d))
     want = tq.turboquant_decode_attention(**x)
     for splits in (None, 1, 7):
         close(turboquant_decode_attention(**x, num_splits=splits), want, dtype, f"splits={splits}")
