@@ -20,10 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import check_device, check_gqa, check_rows, num_sms, pow2
+from .triton_common import LOG2E, check_device, check_gqa, check_rows, num_sms, pow2
 from .triton_decode import _attend_tile, _store_head, merge_splits, split_buffers
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit

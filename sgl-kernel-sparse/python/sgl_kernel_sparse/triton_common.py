@@ -7,6 +7,8 @@ import os
 import torch
 import triton
 
+LOG2E = 1.4426950408889634  # log2(e): softmax scale * LOG2E gives base-2 logits (kernels use exp2)
+
 
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``, read by

@@ -18,9 +18,7 @@ import triton
 import triton.language as tl
 
 from . import tuning
-from .triton_common import check_device, check_gqa, check_rows, check_table, num_sms, pow2
-
-LOG2E = 1.4426950408889634
+from .triton_common import LOG2E, check_device, check_gqa, check_rows, check_table, num_sms, pow2
 
 
 @triton.jit

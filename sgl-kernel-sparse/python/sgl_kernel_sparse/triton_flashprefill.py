@@ -21,9 +21,7 @@ import triton
 import triton.language as tl
 
 from .flashprefill import _scale, block_layout
-from .triton_common import check_device, check_gqa, check_rows, pow2
-
-LOG2E = 1.4426950408889634
+from .triton_common import LOG2E, check_device, check_gqa, check_rows, pow2
 
 
 @triton.jit

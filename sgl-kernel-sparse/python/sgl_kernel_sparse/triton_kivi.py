@@ -27,11 +27,9 @@ import triton
 import triton.language as tl
 
 from .quant import KIVI_GROUP, check_kivi_layout
-from .triton_common import check_device, check_rows, interpreting, num_sms, pow2
+from .triton_common import LOG2E, check_device, check_rows, interpreting, num_sms, pow2
 from .triton_decode import (_group_program, _residual_tile, _softmax_weights, _split_share, _store_group,
                             merge_splits, split_buffers)
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit

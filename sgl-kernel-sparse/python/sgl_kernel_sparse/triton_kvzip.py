@@ -25,9 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import check_gqa, check_rows, interpreting, kernel_keys, pow2
-
-LOG2E = 1.4426950408889634
+from .triton_common import LOG2E, check_gqa, check_rows, interpreting, kernel_keys, pow2
 
 
 @triton.jit

@@ -38,12 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import check_device, check_gqa, check_rows, pow2
+from .triton_common import LOG2E, check_device, check_gqa, check_rows, pow2
 from .triton_decode import _residual_tile, _split_share, _store_group, merge_splits, split_buffers
 from .triton_decode import _group_softmax_step as _online_step
 from .triton_kivi import check_tables, plan_kivi_splits, plan_tiles
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
