@@ -60,6 +60,7 @@ class SchedulerState:
     # Per req_to_token row: logical length minus resident rows (tokens without KV before them).
     # RoPE positions are ``row + pos_offset[row]`` (engine/rows.py).
     pos_offset: torch.Tensor | None = None
+    offset_rows: set[int] = field(default_factory=set)  # rows whose pos_offset is not 0 (rows.set_offset)
     chains: ChainCacheIndex | None = None  # Chain Cache on
     chain_fingerprint: str = ""  # model + method + options: what a chain must match to resume
     prune_jobs: dict[str, Job] = field(default_factory=dict)  # planned pruning jobs by id

@@ -24,7 +24,9 @@ tokens). Here:
   ``follow_chunk_compaction`` the same for a request compacted between two prompt chunks;
 - ``before_model_forward``: RoPE positions get the per-row offset (``STATE.scheduler.pos_offset``,
   indexed by ``req_to_token`` row), eager and CUDA-graph replay alike (SGLang's graph runner
-  copies ``forward_batch.positions`` into its buffers after this point).
+  copies ``forward_batch.positions`` into its buffers after this point). While no row holds an
+  offset (``STATE.scheduler.offset_rows`` is empty: dense, Quest, any request before eviction)
+  the step launches nothing here.
 """
 
 from __future__ import annotations
@@ -44,6 +46,19 @@ def set_row_lengths(batch, rows: dict[int, int]) -> None:
         kv.kv_allocated_len = kv.kv_committed_len = n
     batch.seq_lens, batch.seq_lens_cpu, batch.orig_seq_lens = seq_lens, seq_cpu, orig
     batch.seq_lens_sum = int(seq_cpu.sum())
+
+
+def set_offset(row: int, off: int) -> None:
+    """Row ``row``'s RoPE offset, on the device and in the host-side set of rows that hold one
+    (the set lets ``before_model_forward`` skip its gather and add without reading the device)."""
+    st = STATE.scheduler
+    if off:
+        st.offset_rows.add(row)
+    elif row in st.offset_rows:
+        st.offset_rows.discard(row)
+    else:
+        return  # already 0 on the device
+    st.pos_offset[row] = off
 
 
 def request_offset(req) -> int:
@@ -69,7 +84,7 @@ def after_prepare_for_extend(result, batch, *args, **kwargs):
         table[row, resident: resident + s] = table[row, logical: logical + s].clone()
         prefix[i] = resident
         lengths[i] = resident + s
-        STATE.scheduler.pos_offset[row] = off
+        set_offset(row, off)
     batch.prefix_lens = prefix
     set_row_lengths(batch, lengths)
     return None
@@ -84,7 +99,7 @@ def follow_compaction(batch) -> None:
         if known is None or known.retained.n_rows == req.kv.kv_allocated_len:
             continue
         lengths[i] = known.retained.n_rows  # compacted: the request now owns rows [0, n_rows)
-        STATE.scheduler.pos_offset[req.kv.req_pool_idx] = known.retained.offset
+        set_offset(req.kv.req_pool_idx, known.retained.offset)
     set_row_lengths(batch, lengths)
 
 
@@ -107,13 +122,13 @@ def follow_chunk_compaction(req) -> None:
     assert ret.logical_len == req.prefix_len, (req.rid, ret.logical_len, req.prefix_len)
     req.kv.kv_allocated_len = req.kv.kv_committed_len = ret.n_rows
     sparse(req).offset = ret.offset
-    STATE.scheduler.pos_offset[req.kv.req_pool_idx] = ret.offset
+    set_offset(req.kv.req_pool_idx, ret.offset)
 
 
 def before_model_forward(runner, forward_batch=None, *args, **kwargs):
     """Logical RoPE positions for rows with logical tokens without KV before them."""
     pos_offset = STATE.scheduler.pos_offset
-    if pos_offset is None or forward_batch is None:
+    if pos_offset is None or forward_batch is None or not STATE.scheduler.offset_rows:
         return None
     mode = forward_batch.forward_mode
     if mode.is_decode():
@@ -132,4 +147,4 @@ def on_release(req) -> None:
     st = sparse(req)
     st.offset, st.start_offset, st.gap = None, 0, 0
     if STATE.scheduler.pos_offset is not None and req.kv.req_pool_idx is not None:
-        STATE.scheduler.pos_offset[req.kv.req_pool_idx] = 0
+        set_offset(req.kv.req_pool_idx, 0)
