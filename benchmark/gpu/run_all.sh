@@ -82,7 +82,7 @@
 #   overhead-compile-b8  the same at batch 8 only, dense first, a 128-token window (237 s on a warm
 #                   inductor cache, 2026-12-06: run it after overhead-compile in the same machine's life)
 #   overhead-alt    the same pair with repetitions: benchmark/bench_overhead.py keeps both compiled servers
-#                   up at once (--sleep-on-idle) and measures them in alternation A B B A ..., 6 reps of
+#                   up at once (fits an H100) (--sleep-on-idle) and measures them in alternation A B B A ..., 6 reps of
 #                   batch 1 and 8 at 8K prompts (shorter steps than 32K: a per-step cost weighs more),
 #                   medians (~6 min on a warm inductor cache, est.)
 #   capacity-online  issue 16's table at a 49,152-token pool, 8,192-token prefill chunks: dense
@@ -376,10 +376,12 @@ print(tuning.config_name(torch.cuda.get_device_name()))')
         --batches 1 8 --pool 294912 --methods plain dense --tune plain dense --kv-splits 16 --start-timeout 420 \
         --out "$OUT/long_matched_32k_overhead_compile.json" -- --cuda-graph-bs-decode 1 8 \
         --enable-torch-compile --torch-compile-max-bs 8 2>&1 | tee "$OUT/$stage.txt" ;;
-    overhead-alt)  # issue 15's < 3% with repetitions; each server takes 0.42 of the GPU (two fit an H200)
+    overhead-alt)  # issue 15's < 3% with repetitions. Two servers on one GPU: SGLang sizes a pool from the
+      # free memory it finds minus (1 - fraction) of the card, so both ask 0.80 and the token cap (81,920 x
+      # 144 KiB = 11.3 GiB + 16.4 GB of weights each) bounds what each takes; two fit an H100
       timeout 560 python3 benchmark/bench_overhead.py --model-path "$M8" --reps 6 --prompt-len 8192 \
-        --new-tokens 256 --concurrency 1 8 --max-total-tokens 131072 --out "$OUT/overhead_alt_8k.json" -- \
-        --load-format dummy --attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.42 \
+        --new-tokens 256 --concurrency 1 8 --max-total-tokens 81920 --out "$OUT/overhead_alt_8k.json" -- \
+        --load-format dummy --attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.80 \
         --cuda-graph-backend-prefill disabled --page-size 16 --triton-attention-num-kv-splits 16 \
         --cuda-graph-bs-decode 1 8 --enable-torch-compile --torch-compile-max-bs 8 2>&1 | tee "$OUT/$stage.txt" ;;
     overhead-compile-b8)  # the batch-8 pair again in the other order and with a 4x longer window
