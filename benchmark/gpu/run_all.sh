@@ -79,6 +79,9 @@
 #   agent-replay8   both in one call: SnapKV + chain (200 s cap), dense + radix at 16 splits (390 s cap)
 #   overhead-compile  plain SGLang vs dense through sglang_sparse at 32K, batch 1 and 8, both with
 #                   --enable-torch-compile at 16 kv splits (issue 15's < 3% overhead; 354 s on the H200, 2026-12-06)
+#   profile-overhead  where a batch-1 decode step's time goes, plain vs dense through sglang_sparse, both
+#                   compiled at 16 splits, 8K prompt, one server at a time, SGLang's /start_profile over 40
+#                   steps; prints kernels and host ops per step side by side (benchmark/profile_decode.py, ~7 min, est.)
 #   overhead-compile-b8  the same at batch 8 only, dense first, a 128-token window (237 s on a warm
 #                   inductor cache, 2026-12-06: run it after overhead-compile in the same machine's life)
 #   overhead-alt    the same pair with repetitions: benchmark/bench_overhead.py keeps both compiled servers
@@ -384,6 +387,12 @@ print(tuning.config_name(torch.cuda.get_device_name()))')
         --load-format dummy --attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.80 \
         --cuda-graph-backend-prefill disabled --page-size 16 --triton-attention-num-kv-splits 16 \
         --cuda-graph-bs-decode 1 8 --enable-torch-compile --torch-compile-max-bs 8 2>&1 | tee "$OUT/$stage.txt" ;;
+    profile-overhead)  # overhead-alt's batch-1 gap (7.7% on an H100, 2026-12-06), kernel by kernel
+      timeout 560 python3 benchmark/profile_decode.py --model-path "$M8" --prompt-len 8192 --steps 40 \
+        --max-total-tokens 32768 --out "$OUT/profile_overhead_8k_b1.json" -- --load-format dummy \
+        --attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.80 \
+        --cuda-graph-backend-prefill disabled --page-size 16 --triton-attention-num-kv-splits 16 \
+        --cuda-graph-bs-decode 1 --enable-torch-compile --torch-compile-max-bs 1 2>&1 | tee "$OUT/$stage.txt" ;;
     overhead-compile-b8)  # the batch-8 pair again in the other order and with a 4x longer window
       timeout 390 python3 benchmark/bench_long_context.py matched --model-path "$M8" --prompt-len 32768 \
         --output-len 192 --window 128 --batches 8 --pool 294912 --methods dense plain --tune plain dense \
