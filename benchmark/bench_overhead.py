@@ -65,6 +65,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-total-tokens", type=int, default=16384)
+    ap.add_argument("--first", choices=sorted(VARIANTS), default="sglang",
+                    help="the server started first (on one GPU, the order can matter: run both)")
     ap.add_argument("--out", default="overhead_cpu.json")
     ap.add_argument("extra", nargs="*", help="extra SGLang flags for both variants (after --)")
     args = ap.parse_args()
@@ -78,12 +80,14 @@ def main() -> None:
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     servers = {}
     try:
-        for name, module in VARIANTS.items():
+        for name in sorted(VARIANTS, key=lambda n: n != args.first):
+            module = VARIANTS[name]
             t0 = time.monotonic()
             servers[name] = ServerProcess(flags, module=module).start()
             print(f"{name}: ready in {time.monotonic() - t0:.1f}s", flush=True)
         for r in range(args.reps):
-            order = list(VARIANTS) if r % 2 == 0 else list(reversed(VARIANTS))
+            order = sorted(VARIANTS, key=lambda n: n != args.first)
+            order = order if r % 2 == 0 else order[::-1]
             for name in order:
                 result = measure(servers[name], args, seed=1000 * r)
                 runs[name].append(result)

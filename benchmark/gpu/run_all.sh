@@ -379,11 +379,13 @@ print(tuning.config_name(torch.cuda.get_device_name()))')
         --batches 1 8 --pool 294912 --methods plain dense --tune plain dense --kv-splits 16 --start-timeout 420 \
         --out "$OUT/long_matched_32k_overhead_compile.json" -- --cuda-graph-bs-decode 1 8 \
         --enable-torch-compile --torch-compile-max-bs 8 2>&1 | tee "$OUT/$stage.txt" ;;
-    overhead-alt)  # issue 15's < 3% with repetitions. Two servers on one GPU: SGLang sizes a pool from the
+    overhead-alt|overhead-alt-rev)  # issue 15's < 3% with repetitions. Two servers on one GPU: SGLang sizes a pool from the
       # free memory it finds minus (1 - fraction) of the card, so both ask 0.80 and the token cap (81,920 x
       # 144 KiB = 11.3 GiB + 16.4 GB of weights each) bounds what each takes; two fit an H100
-      timeout 560 python3 benchmark/bench_overhead.py --model-path "$M8" --reps 6 --prompt-len 8192 \
-        --new-tokens 256 --concurrency 1 8 --max-total-tokens 81920 --out "$OUT/overhead_alt_8k.json" -- \
+      # -rev: sglang_sparse's server starts first and is measured first (4 reps)
+      if [ "$stage" = overhead-alt ]; then first=(--first sglang --reps 6); else first=(--first sglang_sparse --reps 4); fi
+      timeout 560 python3 benchmark/bench_overhead.py --model-path "$M8" "${first[@]}" --prompt-len 8192 \
+        --new-tokens 256 --concurrency 1 8 --max-total-tokens 81920 --out "$OUT/${stage//-/_}_8k.json" -- \
         --load-format dummy --attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.80 \
         --cuda-graph-backend-prefill disabled --page-size 16 --triton-attention-num-kv-splits 16 \
         --cuda-graph-bs-decode 1 8 --enable-torch-compile --torch-compile-max-bs 8 2>&1 | tee "$OUT/$stage.txt" ;;
