@@ -18,6 +18,8 @@ Arguments after ``--`` are extra SGLang flags given to both variants.
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import platform
 import random
 import statistics
@@ -57,6 +59,27 @@ def measure(server: ServerProcess, args, seed: int) -> dict:
     return out
 
 
+def combine(paths: list[str], out: str) -> None:
+    """Runs of both start orders (``--first``) taken together: on one GPU the server started
+    first was faster at batch 1 and slower at batch 8 whichever variant it was (H100,
+    2026-12-06), so one order alone measures the order. The variant's own ratio is the geometric
+    mean of the runs' median ratios sparse / plain (each order once: the order's effect cancels)."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    metrics = list(runs[0]["median"]["sglang"])
+    table = {}
+    print(f"{'metric':<22}" + "".join(f"{'run ' + str(i):>10}" for i in range(len(runs))) + f"{'both':>10}")
+    for m in metrics:
+        ratios = [r["median"]["sglang_sparse"][m] / r["median"]["sglang"][m] for r in runs]
+        mean = math.prod(ratios) ** (1 / len(ratios))
+        table[m] = {"ratios": ratios, "geomean": mean,
+                    "overhead": (1 - mean) if m.startswith("decode") else (mean - 1)}  # + = sparse worse
+        print(f"{m:<22}" + "".join(f"{x:>10.4f}" for x in ratios) + f"{mean:>10.4f}  overhead {table[m]['overhead']:+.1%}")
+    firsts = [r["settings"].get("first", "sglang") for r in runs]
+    path = write_json(out, {"command": "python " + " ".join(sys.argv), "runs": paths, "first": firsts,
+                            "sparse_over_plain": table})
+    print(f"\nwrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
@@ -68,8 +91,11 @@ def main() -> None:
     ap.add_argument("--first", choices=sorted(VARIANTS), default="sglang",
                     help="the server started first (on one GPU, the order can matter: run both)")
     ap.add_argument("--out", default="overhead_cpu.json")
+    ap.add_argument("--combine", nargs="+", metavar="JSON", help="only combine earlier runs (see combine())")
     ap.add_argument("extra", nargs="*", help="extra SGLang flags for both variants (after --)")
     args = ap.parse_args()
+    if args.combine:
+        return combine(args.combine, args.out)
 
     model = args.model_path or str(ensure_default_model())
     import torch
