@@ -79,6 +79,28 @@ def run_and_check(tmp_path: Path, gate: Path) -> None:
     assert (Path(str(bg_dir) + ".prev") / "a.txt").read_text() == "v1 a\n"  # the previous run's results
 
 
+def test_small_card_runs_its_own_stages(tmp_path):
+    """``BG_SMALL_STAGES``: on a card under 100 GB (an H100 where an H200 was asked for) the
+    stages named there run instead; on a larger card, or with no GPU, the ones given."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    for stage in "abc":
+        (gate / stage).touch()
+    repo = checkout(tmp_path, "v1")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    smi = fake / "nvidia-smi"
+    for mib, ran in (("81559", "c"), ("143771", "a")):
+        smi.write_text(f"#!/usr/bin/env bash\necho {mib}\n")
+        smi.chmod(0o755)
+        out = tmp_path / f"out{mib}"
+        env = dict(os.environ, GATE=str(gate), BG_DIR=str(tmp_path / f"bg{mib}"), OUT=str(out),
+                   PATH=f"{fake}:{os.environ['PATH']}", BG_SMALL_STAGES="c")
+        res = bg(repo, env, "start", "a", wait=60)
+        assert res.returncode == 0 and "--- ended" in res.stdout, res.stdout + res.stderr
+        assert sorted(p.name for p in out.glob("?.txt")) == [f"{ran}.txt"]
+
+
 def cache_script(tmp_path: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
     script = tmp_path / "repo" / "benchmark" / "gpu" / "compile_cache.sh"
     script.parent.mkdir(parents=True, exist_ok=True)

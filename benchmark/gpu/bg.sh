@@ -4,6 +4,7 @@
 # A process started in its own session (setsid) survives the call that started it while the
 # machine stays warm (it is given back after ~30 s idle), so:
 #   call 1:  bash benchmark/gpu/bg.sh start STAGE...   # starts run_all.sh in the background, then waits
+#            (BG_SMALL_STAGES="S..." bash benchmark/gpu/bg.sh start STAGE...: S... on a card under 100 GB)
 #   call 2+: bash benchmark/gpu/bg.sh wait             # waits again; every call copies the results to $OUT
 # Each call returns after BG_WAIT seconds (default 570) or as soon as the stages end, and prints
 # the tail of the log. The stages run from a snapshot of the checkout taken at start
@@ -18,6 +19,15 @@ cmd=${1:-wait}; shift || true
 case $cmd in
   start)
     [ $# -gt 0 ] || { echo "usage: bg.sh start STAGE..." >&2; exit 2; }
+    # BG_SMALL_STAGES: what to run instead on a card under 100 GB (an H100 that came when an H200
+    # was asked for, or a call left free to take either): the 128K batch-4 stages do not fit it
+    if [ -n "${BG_SMALL_STAGES:-}" ]; then
+      mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+      if [ -n "$mib" ] && [ "$mib" -lt 100000 ]; then
+        echo "a ${mib} MiB card: BG_SMALL_STAGES instead of $*"
+        set -- $BG_SMALL_STAGES
+      fi
+    fi
     if [ -f "$BG_DIR/pid" ] && kill -0 "$(cat "$BG_DIR/pid")" 2>/dev/null; then
       echo "a background run is still going (pid $(cat "$BG_DIR/pid")): bg.sh wait" >&2; exit 1
     fi
