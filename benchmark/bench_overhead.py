@@ -106,14 +106,14 @@ def main() -> None:
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     servers = {}
     try:
-        for name in sorted(VARIANTS, key=lambda n: n != args.first):
+        start_order = sorted(VARIANTS, key=lambda n: n != args.first)  # --first, then the other
+        for name in start_order:
             module = VARIANTS[name]
             t0 = time.monotonic()
             servers[name] = ServerProcess(flags, module=module).start()
             print(f"{name}: ready in {time.monotonic() - t0:.1f}s", flush=True)
         for r in range(args.reps):
-            order = sorted(VARIANTS, key=lambda n: n != args.first)
-            order = order if r % 2 == 0 else order[::-1]
+            order = start_order if r % 2 == 0 else start_order[::-1]
             for name in order:
                 result = measure(servers[name], args, seed=1000 * r)
                 runs[name].append(result)
