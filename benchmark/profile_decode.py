@@ -1,9 +1,15 @@
 """Where a decode step's time goes: plain ``sglang.launch_server`` vs ``sglang_sparse.launch_server``
-(dense by default), same flags, one server at a time, each profiled by SGLang's own ``/start_profile``.
+(dense by default, or any sparse method), same flags, one server at a time, each profiled by SGLang's
+own ``/start_profile``.
 
-Per server: one request decodes (``--prompt-len`` in, greedy, ignore_eos) and, once it is decoding,
-``/start_profile`` records ``--steps`` scheduler steps (torch profiler, CPU and GPU). The trace is
-summarized where it was written and only the summary is kept:
+Variants: ``plain`` (SGLang itself), ``dense`` (sglang_sparse, no method), or a method name such as
+``omnikv`` (sglang_sparse with ``--sparse-method omnikv``; ``--variant-flags omnikv="..."`` replaces
+those flags, e.g. to set the method's options).
+
+Per server: ``--batch`` requests decode together (``--prompt-len`` in each, distinct prompts, greedy,
+ignore_eos) and, once every one has its first token, ``/start_profile`` records ``--steps``
+scheduler steps (torch profiler, CPU and GPU). The trace is summarized where it was written and
+only the summary is kept:
 
 - ``step_ms``: wall time per step (span of the profiled GPU work / steps);
 - ``gpu_busy_ms``: GPU time per step inside kernels (union of kernel intervals), so
@@ -15,6 +21,8 @@ A per-step cost of the extension shows up as a kernel only one side runs (GPU) o
 ``step_ms`` at equal ``gpu_busy_ms`` (host). The table prints both servers side by side.
 
     python benchmark/profile_decode.py --model-path M --out profile.json -- --attention-backend triton ...
+    python benchmark/profile_decode.py --model-path M --variants dense omnikv --batch 4 --prompt-len 131072 \
+        --variant-flags omnikv="--sparse-method omnikv --sparse-token-budget 2048" --out p.json -- ...
 """
 
 from __future__ import annotations
@@ -40,6 +48,54 @@ from common import stream_generate, write_json  # noqa: E402
 from sglang_sparse.server_process import ServerProcess
 
 MODULES = {"plain": "sglang.launch_server", "dense": "sglang_sparse.launch_server"}
+
+
+def variant_launch(name: str, variant_flags: dict[str, list[str]]) -> tuple[str, list[str]]:
+    """(module, extra flags) of one variant: plain SGLang, dense sglang_sparse, or a sparse method
+    (``--sparse-method NAME`` unless ``variant_flags`` gives that variant's flags)."""
+    if name in variant_flags:
+        return MODULES.get(name, MODULES["dense"]), variant_flags[name]
+    if name in MODULES:
+        return MODULES[name], []
+    return MODULES["dense"], ["--sparse-method", name]
+
+
+def parse_variant_flags(items: list[str]) -> dict[str, list[str]]:
+    out = {}
+    for item in items:
+        name, sep, flags = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--variant-flags {item!r}: expected NAME=\"FLAGS\", e.g. omnikv=\"--sparse-method omnikv\"")
+        out[name] = flags.split()
+    return out
+
+
+def prompts_for(batch: int, prompt_len: int) -> list[list[int]]:
+    """Distinct prompts (each starts with a different token: no shared radix prefix)."""
+    return [[1000 + i] + [1000 + (7 * j + 13 * i) % 29000 for j in range(1, prompt_len)] for i in range(batch)]
+
+
+def stream_until_done(base_url: str, input_ids: list[int], max_new_tokens: int, first: threading.Event,
+                      result: dict) -> None:
+    """One streamed /generate (greedy, ignore_eos); sets ``first`` at its first token; ``result``
+    gets ``first``/``end`` (monotonic s) and ``tokens``, or ``error``."""
+    body = {"input_ids": input_ids, "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
+    tokens = 0
+    try:
+        with requests.post(base_url + "/generate", json=body, stream=True, timeout=3600) as resp:
+            resp.raise_for_status()
+            for line in resp.iter_lines():
+                if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                    continue
+                tokens = json.loads(line[5:])["meta_info"]["completion_tokens"]
+                if not first.is_set():
+                    result["first"] = time.monotonic()
+                    first.set()
+        result.update(end=time.monotonic(), tokens=tokens)
+    except Exception as exc:  # reported by the caller
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        first.set()
 
 
 def load_trace(directory: str, timeout: float = 120.0) -> dict:
@@ -99,18 +155,26 @@ def summarize(trace: dict, steps: int, top: int) -> dict:
 
 
 def profile_one(name: str, flags: list[str], args) -> dict:
+    module, own = variant_launch(name, args.variant_flags)
     t0 = time.monotonic()
-    server = ServerProcess(flags, module=MODULES[name], start_timeout=args.start_timeout).start()
+    server = ServerProcess(flags + own, module=module, start_timeout=args.start_timeout).start()
     ready = time.monotonic() - t0
     print(f"{name}: ready in {ready:.1f}s", flush=True)
     try:
-        prompt = [1000 + (7 * i) % 29000 for i in range(args.prompt_len)]
-        stream_generate(server.base_url, prompt[: args.prompt_len // 2], 16)  # warm-up
-        done: dict = {}
-        worker = threading.Thread(target=lambda: done.update(
-            stream_generate(server.base_url, prompt, args.warmup_tokens + 4 * args.steps + 64)))
-        worker.start()
-        # decoding for a while before the profiler starts: past the prefill and the first steps
+        prompts = prompts_for(args.batch, args.prompt_len)
+        stream_generate(server.base_url, [7] + prompts[0][1: min(args.prompt_len, 4096) // 2], 16)  # warm-up
+        firsts = [threading.Event() for _ in prompts]
+        done = [{} for _ in prompts]
+        new = args.warmup_tokens + 4 * args.steps + 64
+        workers = [threading.Thread(target=stream_until_done, args=(server.base_url, p, new, f, d))
+                   for p, f, d in zip(prompts, firsts, done)]
+        for w in workers:
+            w.start()
+        for f in firsts:  # every request decoding (its prefill done) before the profiler starts
+            f.wait()
+        failed = [d["error"] for d in done if "error" in d]
+        if failed:
+            raise RuntimeError(f"a request failed: {failed[0]}")
         time.sleep(args.settle_s)
         out_dir = tempfile.mkdtemp(prefix=f"profile_{name}_")
         import torch
@@ -121,9 +185,15 @@ def profile_one(name: str, flags: list[str], args) -> dict:
         r = requests.post(server.base_url + "/start_profile", json=body, timeout=60)
         r.raise_for_status()
         trace = load_trace(out_dir)
-        worker.join()
+        for w in workers:
+            w.join()
         summary = summarize(trace, args.steps, args.top)
-        summary.update(ready_s=ready, decode_tok_s_whole_request=(done["tokens"] - 1) / (done["end"] - done["first"]))
+        # all requests decode together between the last first token and the first end
+        window = min(d["end"] for d in done) - max(d["first"] for d in done)
+        summary.update(ready_s=ready, module=module, variant_flags=own,
+                       decode_tok_s_whole_request=sum(d["tokens"] - 1 for d in done)
+                       / (max(d["end"] for d in done) - min(d["first"] for d in done)),
+                       together_window_s=window)
         return summary
     finally:
         server.stop()
@@ -132,17 +202,22 @@ def profile_one(name: str, flags: list[str], args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", required=True)
-    ap.add_argument("--variants", nargs="+", default=["plain", "dense"], choices=sorted(MODULES))
+    ap.add_argument("--variants", nargs="+", default=["plain", "dense"],
+                    help="plain, dense, or sparse method names (run with --sparse-method NAME)")
+    ap.add_argument("--variant-flags", nargs="*", default=[], metavar='NAME="FLAGS"',
+                    help="a variant's own server flags instead of --sparse-method NAME")
+    ap.add_argument("--batch", type=int, default=1, help="requests decoding together")
     ap.add_argument("--prompt-len", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=40, help="decode steps profiled")
     ap.add_argument("--warmup-tokens", type=int, default=400, help="tokens the request decodes besides the profiled ones")
-    ap.add_argument("--settle-s", type=float, default=4.0, help="seconds after sending before profiling")
+    ap.add_argument("--settle-s", type=float, default=4.0, help="seconds after every request's first token before profiling")
     ap.add_argument("--max-total-tokens", type=int, default=32768)
     ap.add_argument("--start-timeout", type=float, default=400.0)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", required=True)
     ap.add_argument("extra", nargs="*", help="extra SGLang flags for both servers (after --)")
     args = ap.parse_args()
+    args.variant_flags = parse_variant_flags(args.variant_flags)
 
     flags = ["--model-path", args.model_path, "--max-total-tokens", str(args.max_total_tokens), *args.extra]
     results = {}

@@ -64,3 +64,20 @@ def test_profile_summary_per_step():
     assert gemm["per_step"] == 1 and gemm["us_per_step"] == 500
     assert s["kernels"][0]["name"] == "gemm"  # sorted by time
     assert {r["name"] for r in s["cpu_ops"]} == {"aten::mm", "cudaGraphLaunch"}
+
+
+def test_profile_variants_launch_flags():
+    assert P.variant_launch("plain", {}) == ("sglang.launch_server", [])
+    assert P.variant_launch("dense", {}) == ("sglang_sparse.launch_server", [])
+    assert P.variant_launch("omnikv", {}) == ("sglang_sparse.launch_server", ["--sparse-method", "omnikv"])
+    own = P.parse_variant_flags(["omnikv=--sparse-method omnikv --sparse-token-budget 512"])
+    assert P.variant_launch("omnikv", own) == (
+        "sglang_sparse.launch_server", ["--sparse-method", "omnikv", "--sparse-token-budget", "512"])
+    with pytest.raises(SystemExit, match="NAME="):
+        P.parse_variant_flags(["omnikv"])
+
+
+def test_profile_prompts_share_no_prefix():
+    prompts = P.prompts_for(4, 64)
+    assert all(len(p) == 64 for p in prompts)
+    assert len({p[0] for p in prompts}) == 4  # distinct first tokens: no radix hit between them

@@ -82,6 +82,8 @@
 #   profile-overhead  where a batch-1 decode step's time goes, plain vs dense through sglang_sparse, both
 #                   compiled at 16 splits, 8K prompt, one server at a time, SGLang's /start_profile over 40
 #                   steps; prints kernels and host ops per step side by side (benchmark/profile_decode.py, ~7 min, est.)
+#   profile-omnikv-b1 / -b4  OmniKV's compiled decode step at 128K next to dense's, kernel by kernel
+#                   (benchmark/profile_decode.py, batch 1 fits an H100 ~6 min; batch 4 H200 only, ~11 min, est.)
 #   overhead-compile-b8  the same at batch 8 only, dense first, a 128-token window (237 s on a warm
 #                   inductor cache, 2026-12-06: run it after overhead-compile in the same machine's life)
 #   overhead-alt    the same pair with repetitions: benchmark/bench_overhead.py keeps both compiled servers
@@ -395,6 +397,18 @@ print(tuning.config_name(torch.cuda.get_device_name()))')
         --attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.80 \
         --cuda-graph-backend-prefill disabled --page-size 16 --triton-attention-num-kv-splits 16 \
         --cuda-graph-bs-decode 1 --enable-torch-compile --torch-compile-max-bs 1 2>&1 | tee "$OUT/$stage.txt" ;;
+    profile-omnikv-b1|profile-omnikv-b4)  # issue 15: where OmniKV's compiled decode step goes at 128K
+      # next to dense's (same flags, 64 splits), kernel by kernel; OmniKV first. -b1 fits an H100
+      # (~6 min, est.); -b4 needs the H200's pool and four 128K prefills per server (~11 min, est.:
+      # through bg.sh)
+      b=${stage##*-b}
+      timeout 1100 python3 benchmark/profile_decode.py --model-path "$M8" --variants omnikv dense --batch "$b" \
+        --prompt-len 131072 --steps 20 --warmup-tokens 100 --max-total-tokens $((135168 * b + 8192)) \
+        --start-timeout 480 --variant-flags omnikv="--sparse-method omnikv --sparse-token-budget 2048" \
+        --out "$OUT/profile_omnikv_128k_b$b.json" -- --load-format dummy --attention-backend triton \
+        --sampling-backend pytorch --mem-fraction-static 0.80 --cuda-graph-backend-prefill disabled \
+        --page-size 16 --triton-attention-num-kv-splits 64 --cuda-graph-bs-decode "$b" \
+        --enable-torch-compile --torch-compile-max-bs "$b" 2>&1 | tee "$OUT/$stage.txt" ;;
     overhead-compile-b8)  # the batch-8 pair again in the other order and with a 4x longer window
       timeout 390 python3 benchmark/bench_long_context.py matched --model-path "$M8" --prompt-len 32768 \
         --output-len 192 --window 128 --batches 8 --pool 294912 --methods dense plain --tune plain dense \
