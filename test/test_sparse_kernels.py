@@ -453,6 +453,11 @@ def case_rows_tail_bf16_mha_d48(T):
     _rows_tail_case(T, torch.bfloat16, 2, 2, 48, (1, 12), 72)
 
 
+def case_rows_tail_fp16_gqa4(T):
+    """The 8B shape's group of 4 query heads per KV head (one program serves the group)."""
+    _rows_tail_case(T, torch.float16, 8, 2, 64, (0, 3, 40), 80)
+
+
 def case_token_logits(T):
     for dtype, hq, hkv, d in ((torch.float32, 4, 2, 32), (torch.float16, 6, 3, 48)):
         q, k, _, r2t, req_rows, _, _, seq = rows_tail_inputs(3, hq, hkv, d, 4, 70, dtype, 73, (2, 0, 9))

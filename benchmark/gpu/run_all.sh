@@ -82,6 +82,7 @@
 #   profile-overhead  where a batch-1 decode step's time goes, plain vs dense through sglang_sparse, both
 #                   compiled at 16 splits, 8K prompt, one server at a time, SGLang's /start_profile over 40
 #                   steps; prints kernels and host ops per step side by side (benchmark/profile_decode.py, ~7 min, est.)
+#   kernels-omnikv  OmniKV's decode kernels: GPU tests against the references, then bench_kernels --only omnikv (~1 min, est.)
 #   profile-omnikv-b1 / -b4  OmniKV's compiled decode step at 128K next to dense's, kernel by kernel
 #                   (benchmark/profile_decode.py, batch 1 fits an H100 ~6 min; batch 4 H200 only, ~11 min, est.)
 #   overhead-compile-b8  the same at batch 8 only, dense first, a 128-token window (237 s on a warm
@@ -168,6 +169,11 @@ for stage in "$@"; do
         -k "torch_compile and quest" 2>&1 | tail -40 | tee "$OUT/gpu_$stage.txt" ;;
     kernels)
       python3 sgl-kernel-sparse/bench/bench_kernels.py --out "$OUT/kernels.json" --no-ref 2>&1 | tee "$OUT/kernels.txt" ;;
+    kernels-omnikv)  # issue 15: OmniKV's two decode kernels against their references on the GPU, then timed
+      # (the rows + tail kernel serves a GQA group per program since 2026-12-06) (~1 min, est.)
+      timeout 240 python3 -m pytest -q -m gpu test/test_sparse_kernels.py -k omnikv 2>&1 | tee "$OUT/gpu_tests_omnikv.txt"
+      timeout 200 python3 sgl-kernel-sparse/bench/bench_kernels.py --only omnikv --out "$OUT/kernels_omnikv.json" \
+        2>&1 | tee "$OUT/$stage.txt" ;;
     kernels-quest128k)  # issue 15: Quest's served decode kernels one by one at 128K, batch 1 / 4, and attn_sums (15 s, 2026-12-05)
       timeout 200 python3 sgl-kernel-sparse/bench/bench_kernels.py --only quest128k attn_sums \
         --out "$OUT/kernels_quest128k.json" 2>&1 | tee "$OUT/$stage.txt" ;;

@@ -5,15 +5,19 @@ positions ``[t*BLOCK_L, (t+1)*BLOCK_L)`` of request b once (slot = ``req_to_toke
 pos]``, KV head g) and writes the logits of the GROUP query heads that share them; positions
 ``>= seq_lens[b]`` get ``-inf``. Output fp32 ``[B, Hq, L]``, ``L`` = the slot table's width.
 
-``rows_tail_decode_attention``: grid ``(B, Hq, S)``. Request b's view has ``N + T_b`` entries,
-``T_b = max(seq_lens[b] - tail_start[b], 0)``:
+``rows_tail_decode_attention``: grid ``(B, Hkv, S)``. Every query head of a request reads the same
+rows (the selection is shared), so program (b, g, s) serves the GROUP query heads of KV head g:
+each K/V tile is loaded once for all of them and both products are ``tl.dot``s over a
+``[BLOCK_H >= 16, D]`` query tile (rows past GROUP are padding), as ``triton_paged_gqa``.
+Request b's view has ``N + T_b`` entries, ``T_b = max(seq_lens[b] - tail_start[b], 0)``:
 
   n <  N: position = sel_rows[b, n]           (``-1`` = padding; shared by every query head)
   n >= N: position = tail_start[b] + n - N    (the contiguous tail: OmniKV's generated tokens)
 
 Split s of request b takes entries ``[s*c, min((s+1)*c, N + T_b))``, ``c = cdiv(N + T_b, S)``
 rounded up to BLOCK_N, computed per request on the device (a long tail does not stretch the
-others). Online softmax and split merge are ``triton_decode``'s.
+others). Online softmax (fp32, base 2) and split merge are ``triton_decode``'s; fp16 / bf16 dots in
+their own dtype with fp32 accumulation, fp32 in 3xTF32.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import triton
 import triton.language as tl
 
 from .triton_common import check_device, check_gqa, check_rows, check_table, pow2
-from .triton_decode import LOG2E, _attend_tile, _store_head, merge_splits, plan_splits, split_buffers
+from .triton_decode import (LOG2E, _group_program, _group_softmax_step, _load_tile, _split_share, _store_group,
+                            merge_splits, plan_splits, split_buffers)
 
 
 @triton.jit
@@ -58,36 +63,35 @@ def _rows_tail_partial_kernel(
     Q, K, V, REQ_TO_TOKEN, REQ_ROWS, SEL, TAIL_START, SEQ_LENS, OUT, O_PART, LSE_PART,
     qk_scale, N,
     s_qb, s_qh, s_ks, s_kh, s_vs, s_vh, s_rt, s_sb, s_ob, s_oh,
-    GROUP: tl.constexpr, SPLIT: tl.constexpr,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    DOT16: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.program_id(2)
-    kvh = h // GROUP
-    req = tl.load(REQ_ROWS + b).to(tl.int64)
+    b, kvh, s, n_split, hq, req, d, dmask, hmask, heads = _group_program(REQ_ROWS, GROUP, BLOCK_H, D, BLOCK_D)
     tail0 = tl.load(TAIL_START + b).to(tl.int64)
-    total = N + tl.maximum(tl.load(SEQ_LENS + b).to(tl.int64) - tail0, 0)
-    share = tl.cdiv(tl.cdiv(total, BLOCK_N), tl.num_programs(2)) * BLOCK_N
-    start = s * share
-    stop = tl.minimum(start + share, total)
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
-    q = (tl.load(Q + b * s_qb + h * s_qh + d, mask=dmask, other=0.0).to(tl.float32) * qk_scale).to(tl.float32)
-    m_i = -float("inf")
-    l_i = 0.0
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    total = N + tl.maximum(tl.load(SEQ_LENS + b).to(tl.int64) - tail0, 0)  # entries of request b's view
+    start, stop = _split_share(total, s, n_split, BLOCK_N)
+    # the dot takes q as stored; its fp32 logits are scaled by softmax scale * log2(e) (base 2)
+    q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0)
+    DT = Q.dtype.element_ty if DOT16 else tl.float32  # dot operands (accumulation is fp32)
+    qd = q.to(DT)
+    m_i = tl.full([BLOCK_H], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         live = n < stop
-        chosen = n < N
+        chosen = n < N  # entries [0, N): sel_rows; [N, total): the tail
         sel = tl.load(SEL + b * s_sb + n, mask=live & chosen, other=-1).to(tl.int64)
         pos = tl.where(chosen, sel, tail0 + n - N)
         ok = live & (pos >= 0)
         slot = tl.load(REQ_TO_TOKEN + req * s_rt + pos, mask=ok, other=0).to(tl.int64)
-        m_i, l_i, acc = _attend_tile(K, V, slot, ok, q, kvh, d, dmask, s_ks, s_kh, s_vs, s_vh, m_i, l_i, acc)
-    o = acc / tl.where(l_i > 0, l_i, 1.0)
-    _store_head(OUT, O_PART, LSE_PART, o, m_i, l_i, b, h, s, d, dmask, s_ob, s_oh, D, SPLIT)
+        k, v = _load_tile(K, V, slot, ok, kvh, d, dmask, s_ks, s_kh, s_vs, s_vh)
+        logit = tl.dot(qd, tl.trans(k.to(DT)), input_precision=PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
+        logit = tl.where(ok[None, :], logit, -float("inf"))
+        p, m_i, l_i, acc = _group_softmax_step(logit, m_i, l_i, acc)
+        acc += tl.dot(p.to(DT), v.to(DT), input_precision=PRECISION)
+    _store_group(OUT, O_PART, LSE_PART, acc, m_i, l_i, b, heads, hmask, s, d, dmask, s_ob, s_oh, hq, n_split,
+                 D, SPLIT)
 
 
 def token_logits(q, k_cache, req_to_token, req_rows, seq_lens, scale=None, block_l=64):
@@ -115,7 +119,7 @@ def rows_tail_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, sel_
                                scale=None, num_splits=None, block_n=None, expected_tail=None):
     """Triton version of ``reference.rows_tail_decode_attention``. The split count is planned
     for ``N + expected_tail`` entries (default ``N``): a fixed launch shape, so a captured graph
-    replays it whatever the tails are."""
+    replays it whatever the tails are. ``block_n`` below 16 is raised to 16 (a ``tl.dot`` side)."""
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     check_gqa(hq, hkv)
@@ -129,15 +133,21 @@ def rows_tail_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, sel_
         return out
     n = sel_rows.shape[1]
     plan_n = n + (n if expected_tail is None else int(expected_tail))
-    block_n, num_splits, _ = plan_splits(b * hq, plan_n, d, q.device, block_n, num_splits)
+    want_n = None if block_n is None else max(16, int(block_n))  # a tl.dot dimension
+    block_n, num_splits, _ = plan_splits(b * hkv, plan_n, d, q.device, want_n, num_splits)
+    fp32 = q.dtype == torch.float32
+    # Triton's CPU interpreter casts to bf16 by bits (wrong dots): fp32 dots there
+    dot16 = not fp32 and (q.is_cuda or q.dtype != torch.bfloat16)
     o_part, lse_part = split_buffers(out, num_splits)
     scale = (1.0 / d**0.5) if scale is None else float(scale)
-    _rows_tail_partial_kernel[(b, hq, num_splits)](
+    _rows_tail_partial_kernel[(b, hkv, num_splits)](
         q, k_cache, v_cache, req_to_token, req_rows, sel_rows, tail_start, seq_lens, out, o_part, lse_part,
         scale * LOG2E, n,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0), sel_rows.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=hq // hkv, SPLIT=num_splits > 1, D=d, BLOCK_D=pow2(d, 16), BLOCK_N=block_n, num_warps=4,
+        GROUP=hq // hkv, BLOCK_H=pow2(hq // hkv, 16), SPLIT=num_splits > 1,
+        PRECISION="tf32x3" if fp32 else "tf32", DOT16=dot16, D=d, BLOCK_D=pow2(d, 16), BLOCK_N=block_n,
+        num_warps=4,
     )
     return merge_splits(o_part, lse_part, out, num_splits)
