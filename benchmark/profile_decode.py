@@ -78,7 +78,7 @@ def prompts_for(batch: int, prompt_len: int) -> list[list[int]]:
 def stream_until_done(base_url: str, input_ids: list[int], max_new_tokens: int, first: threading.Event,
                       result: dict) -> None:
     """One streamed /generate (greedy, ignore_eos); sets ``first`` at its first token; ``result``
-    gets ``first``/``end`` (monotonic s) and ``tokens``, or ``error``."""
+    gets ``first``/``end`` (monotonic s) and ``tokens`` (updated as they arrive), or ``error``."""
     body = {"input_ids": input_ids, "stream": True,
             "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
     tokens = 0
@@ -89,6 +89,7 @@ def stream_until_done(base_url: str, input_ids: list[int], max_new_tokens: int, 
                 if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
                     continue
                 tokens = json.loads(line[5:])["meta_info"]["completion_tokens"]
+                result["tokens"] = tokens
                 if not first.is_set():
                     result["first"] = time.monotonic()
                     first.set()
@@ -165,17 +166,23 @@ def profile_one(name: str, flags: list[str], args) -> dict:
         stream_generate(server.base_url, [7] + prompts[0][1: min(args.prompt_len, 4096) // 2], 16)  # warm-up
         firsts = [threading.Event() for _ in prompts]
         done = [{} for _ in prompts]
-        new = args.warmup_tokens + 4 * args.steps + 64
+        # long enough to outlast the profiled steps whatever the start latency of the profiler
+        new = args.warmup_tokens + 8 * args.steps + 512
         workers = [threading.Thread(target=stream_until_done, args=(server.base_url, p, new, f, d))
                    for p, f, d in zip(prompts, firsts, done)]
         for w in workers:
             w.start()
         for f in firsts:  # every request decoding (its prefill done) before the profiler starts
             f.wait()
+        # past the first steps of the batch (a count, not a sleep: a fast server would finish
+        # its requests before a fixed delay ends, and the profiler would wait for steps forever)
+        while not all("error" in d or d.get("tokens", 0) >= args.warmup_tokens or "end" in d for d in done):
+            time.sleep(0.05)
         failed = [d["error"] for d in done if "error" in d]
         if failed:
             raise RuntimeError(f"a request failed: {failed[0]}")
-        time.sleep(args.settle_s)
+        if any("end" in d for d in done):
+            raise RuntimeError("a request ended before the profiler started: raise --warmup-tokens' budget")
         out_dir = tempfile.mkdtemp(prefix=f"profile_{name}_")
         import torch
 
@@ -209,8 +216,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="requests decoding together")
     ap.add_argument("--prompt-len", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=40, help="decode steps profiled")
-    ap.add_argument("--warmup-tokens", type=int, default=400, help="tokens the request decodes besides the profiled ones")
-    ap.add_argument("--settle-s", type=float, default=4.0, help="seconds after every request's first token before profiling")
+    ap.add_argument("--warmup-tokens", type=int, default=32,
+                    help="tokens every request has decoded before the profiler starts")
     ap.add_argument("--max-total-tokens", type=int, default=32768)
     ap.add_argument("--start-timeout", type=float, default=400.0)
     ap.add_argument("--top", type=int, default=25)
