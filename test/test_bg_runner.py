@@ -139,3 +139,26 @@ def test_compile_cache_round_trip_and_size_cap(tmp_path):
     again = cache_script(tmp_path, env, "restore")
     assert again.returncode == 0 and again.stdout == "" and (fresh / "triton" / "k.cubin").read_text() == "rebuilt here"
     assert cache_script(tmp_path, env, "bogus").returncode == 2
+
+
+def test_commit_file_names_the_tree_that_ran(tmp_path):
+    """The device machine's .git can lag the files sent with a call, so ``commit`` also holds the
+    tree hash of the files as they were at ``start``: the one of the commit made of them later."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    (gate / "a").touch()
+    repo = checkout(tmp_path, "v1")
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=repo,  # noqa: E731
+                                    check=True, capture_output=True, text=True).stdout.strip()
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "v1")
+    checkout(tmp_path, "v2")  # edited, not committed: HEAD still says v1
+    env = dict(os.environ, GATE=str(gate), BG_DIR=str(tmp_path / "bg"), OUT=str(tmp_path / "out"))
+    assert bg(repo, env, "start", "a", wait=60).returncode == 0
+    head, tree = (tmp_path / "out" / "commit").read_text().split("\n")[:2]
+    assert head == git("rev-parse", "HEAD")
+    git("add", "-A")
+    git("commit", "-qm", "v2")
+    assert tree == "tree " + git("rev-parse", "HEAD^{tree}") != "tree " + git("rev-parse", "HEAD~1^{tree}")
+    assert git("status", "--porcelain") == ""  # the runner's own index left the repo's alone

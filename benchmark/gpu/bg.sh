@@ -38,7 +38,11 @@ case $cmd in
     tar --exclude=./.git --exclude=./.venv --exclude=./.gpu --exclude=./.gpumodel --exclude=./.gpucache -cf - . \
       | tar -xf - -C "$BG_DIR/src"
     for d in .gpu .gpumodel .gpucache; do [ -e "$d" ] && ln -s "$PWD/$d" "$BG_DIR/src/$d"; done
-    git rev-parse HEAD > "$BG_DIR/commit" 2>/dev/null || echo "no git here" > "$BG_DIR/commit"
+    # HEAD may be stale on the device machine (its .git is not re-sent with every call; the files
+    # are): the tree hash of the files as they are names what ran (here: git log --format='%h %T')
+    { git rev-parse HEAD 2>/dev/null || echo "no git here"
+      idx=$(mktemp -u); GIT_INDEX_FILE=$idx git add -A >/dev/null 2>&1 && echo "tree $(GIT_INDEX_FILE=$idx git write-tree)"
+      rm -f "$idx"; } > "$BG_DIR/commit"
     OUT="$BG_DIR" setsid nohup bash -c 'bash "$0"/benchmark/gpu/run_all.sh "$@"; echo "=== all stages ended rc=$?"' \
       "$BG_DIR/src" "$@" > "$BG_DIR/log" 2>&1 < /dev/null &
     echo $! > "$BG_DIR/pid"
