@@ -12,7 +12,8 @@ scheduler steps (torch profiler, CPU and GPU). The trace is summarized where it 
 only the summary is kept:
 
 - ``step_ms``: wall time per step (span of the profiled GPU work / steps);
-- ``gpu_busy_ms``: GPU time per step inside kernels (union of kernel intervals), so
+- ``gpu_busy_ms``: GPU time per step inside kernels (union of kernel intervals; on a CPU server,
+  of its host ops: ``busy_source`` says which), so
   ``step_ms - gpu_busy_ms`` is time the GPU waited for the host;
 - ``kernels``: the kernels by total time per step (name, count per step, us per step);
 - ``cpu_ops``: the host-side ops and annotations by total time per step.
@@ -127,7 +128,8 @@ def union_ms(intervals: list[tuple[float, float]]) -> float:
 def summarize(trace: dict, steps: int, top: int) -> dict:
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    if not kernels:  # a CPU server: the span of its host-side ops stands in
+    on_gpu = bool(kernels)
+    if not on_gpu:  # a CPU server: the span of its host-side ops stands in (``busy_source`` says so)
         kernels = [e for e in events if e.get("cat") == "cpu_op"]
     start = min(e["ts"] for e in kernels)
     end = max(e["ts"] + e["dur"] for e in kernels)
@@ -149,6 +151,7 @@ def summarize(trace: dict, steps: int, top: int) -> dict:
         "steps": steps,
         "step_ms": (end - start) / 1000.0 / steps,
         "gpu_busy_ms": union_ms([(e["ts"], e["ts"] + e["dur"]) for e in kernels]) / steps,
+        "busy_source": "gpu kernels" if on_gpu else "cpu ops (no GPU kernel in the trace)",
         "kernels_per_step": len(kernels) / steps,
         "kernels": table(by_kernel),
         "cpu_ops": table(by_cpu),
@@ -250,7 +253,8 @@ def main() -> None:
                 row = next((r for r in results[n][section] if r["name"] == name), None)
                 cells.append(f"{row['us_per_step']:>9.1f} x{row['per_step']:<3.0f}" if row else f"{'-':>14}")
             print(f"{name[:68]:<70}" + "".join(cells))
-    print("\n" + "".join(f"{n}: step {results[n]['step_ms']:.3f} ms, GPU busy {results[n]['gpu_busy_ms']:.3f} ms, "
+    print("\n" + "".join(f"{n}: step {results[n]['step_ms']:.3f} ms, busy ({results[n]['busy_source']}) "
+                         f"{results[n]['gpu_busy_ms']:.3f} ms, "
                          f"{results[n]['kernels_per_step']:.0f} kernels\n" for n in ok))
     print(f"wrote {args.out}")
 

@@ -64,6 +64,9 @@ def test_profile_summary_per_step():
     assert gemm["per_step"] == 1 and gemm["us_per_step"] == 500
     assert s["kernels"][0]["name"] == "gemm"  # sorted by time
     assert {r["name"] for r in s["cpu_ops"]} == {"aten::mm", "cudaGraphLaunch"}
+    assert s["busy_source"] == "gpu kernels"
+    cpu_only = P.summarize({"traceEvents": [_x("cpu_op", "aten::mm", 0, 50)]}, steps=1, top=10)
+    assert cpu_only["busy_source"].startswith("cpu ops")  # a CPU server's figure is not called GPU time
 
 
 def test_profile_variants_launch_flags():
