@@ -154,6 +154,20 @@ def test_chain_id_must_be_one_string_for_one_prompt(server):
     assert_clean_refusal(post(server, "/v1/completions", completion), 400, "a batch of 2 prompts")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_list_of_sampling_params_for_one_prompt(server, stream):
+    # SGLang calls .get on the list of a single prompt (a 500); n > 1 turns the prompt into a batch,
+    # which SGLang serves, and so does a batch of one prompt
+    one = {"text": "Hello, my name is", "sampling_params": [{"max_new_tokens": 2}], "stream": stream}
+    assert_clean_refusal(post(server, "/generate", one), 400, "sampling_params must be an object for a single prompt")
+    ids = {"input_ids": [5, 6, 7], "sampling_params": [{}], "stream": stream}
+    assert_clean_refusal(post(server, "/generate", ids), 400, "sampling_params must be an object for a single prompt")
+    assert post(server, "/generate", {**one, "text": ["Hello, my name is"]}).status_code == 200
+    assert post(server, "/generate", {**one, "sampling_params": [{"max_new_tokens": 2, "n": 2}],
+                                      "stream": False}).status_code == 200
+    assert_serving(server)
+
+
 def test_empty_batches_are_refused(server):
     # SGLang indexed sampling_params[0] of an empty batch (a 500)
     body = {"text": [], "sampling_params": [], "extra_key": None}

@@ -92,6 +92,12 @@ def check_generate_fields(obj, prompts: int) -> None:
     if isinstance(sps, list) and len(sps) != prompts:
         raise RequestError("sampling_params", f"sampling_params must be an object, or a list of {prompts} "
                                               f"object(s), one per prompt; got a list of {len(sps)}")
+    # one prompt that is not a batch keeps a list of sampling_params only when n > 1 turns it into
+    # one (SGLang then expands the list); otherwise SGLang calls .get on the list (a 500)
+    if isinstance(sps, list) and not _is_batch(obj) and _parallel(sps) <= 1:
+        raise RequestError("sampling_params", "sampling_params must be an object for a single prompt (text "
+                                              "or input_ids not given as a list of prompts); a list of one "
+                                              "object per prompt is for a batch")
     if _is_batch(obj):
         for name in PER_PROMPT_FIELDS:
             value = getattr(obj, name, None)
