@@ -138,6 +138,19 @@ def _group_softmax_step(logit, m_i, l_i, acc):
 
 
 @triton.jit
+def _group_dot_tile(qd, k, v, ok, qk_scale, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """One loaded K/V tile of a GQA group's online softmax with ``tl.dot``s: base-2 logits of the
+    query tile ``qd`` (``[BLOCK_H, D]``, in the dot operands' dtype) against ``k``, rows not ``ok``
+    -inf, then ``p @ v`` added. Returns ``(m_i, l_i, acc)``. Shared by the paged GQA and OmniKV's
+    rows + tail kernels."""
+    logit = tl.dot(qd, tl.trans(k.to(qd.dtype)), input_precision=PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
+    logit = tl.where(ok[None, :], logit, -float("inf"))
+    p, m_i, l_i, acc = _group_softmax_step(logit, m_i, l_i, acc)
+    acc += tl.dot(p.to(qd.dtype), v.to(qd.dtype), input_precision=PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _residual_tile(K, REQ_TO_TOKEN, qd, n0, r1, req, kvh, d, dmask, s_ks, s_kh, s_rt, PRECISION: tl.constexpr,
                    BLOCK_N: tl.constexpr):
     """Residual rows ``[n0, n0 + BLOCK_N)`` (those < ``r1``) of a GQA program: row j at slot

@@ -130,7 +130,8 @@ def check_tables(req_to_token, block_table) -> None:
 
 
 def plan_tiles(q, d, block_n=None, dot16=None):
-    """The tiles of the quantized-history GQA kernels (KIVI, TurboQuant, Palu): returns
+    """The tiles of the quantized-history GQA kernels (KIVI, TurboQuant, Palu) and OmniKV's rows +
+    tail kernel: returns
     ``(BLOCK_D, BLOCK_N, fp32, dot16)``. BLOCK_N: 32 x 128 tiles as the sparse decode kernel, at
     least 16 (a tl.dot dimension); fp32 inputs take 3xTF32 dots, fp16 / bf16 16-bit dot operands
     (``dot16``), except bf16 under Triton's CPU interpreter, which casts to bf16 by bits (wrong

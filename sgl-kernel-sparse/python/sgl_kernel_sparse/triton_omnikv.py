@@ -27,8 +27,9 @@ import triton
 import triton.language as tl
 
 from .triton_common import check_device, check_gqa, check_rows, check_table, pow2
-from .triton_decode import (LOG2E, _group_program, _group_softmax_step, _load_tile, _split_share, _store_group,
+from .triton_decode import (LOG2E, _group_dot_tile, _group_program, _load_tile, _split_share, _store_group,
                             merge_splits, plan_splits, split_buffers)
+from .triton_kivi import plan_tiles
 
 
 @triton.jit
@@ -86,10 +87,7 @@ def _rows_tail_partial_kernel(
         ok = live & (pos >= 0)
         slot = tl.load(REQ_TO_TOKEN + req * s_rt + pos, mask=ok, other=0).to(tl.int64)
         k, v = _load_tile(K, V, slot, ok, kvh, d, dmask, s_ks, s_kh, s_vs, s_vh)
-        logit = tl.dot(qd, tl.trans(k.to(DT)), input_precision=PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
-        logit = tl.where(ok[None, :], logit, -float("inf"))
-        p, m_i, l_i, acc = _group_softmax_step(logit, m_i, l_i, acc)
-        acc += tl.dot(p.to(DT), v.to(DT), input_precision=PRECISION)
+        m_i, l_i, acc = _group_dot_tile(qd, k, v, ok, qk_scale, m_i, l_i, acc, PRECISION)
     _store_group(OUT, O_PART, LSE_PART, acc, m_i, l_i, b, heads, hmask, s, d, dmask, s_ob, s_oh, hq, n_split,
                  D, SPLIT)
 
@@ -133,11 +131,8 @@ def rows_tail_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, sel_
         return out
     n = sel_rows.shape[1]
     plan_n = n + (n if expected_tail is None else int(expected_tail))
-    want_n = None if block_n is None else max(16, int(block_n))  # a tl.dot dimension
-    block_n, num_splits, _ = plan_splits(b * hkv, plan_n, d, q.device, want_n, num_splits)
-    fp32 = q.dtype == torch.float32
-    # Triton's CPU interpreter casts to bf16 by bits (wrong dots): fp32 dots there
-    dot16 = not fp32 and (q.is_cuda or q.dtype != torch.bfloat16)
+    block_d, block_n, fp32, dot16 = plan_tiles(q, d, block_n)  # BLOCK_N >= 16, the dot operands' dtype
+    block_n, num_splits, _ = plan_splits(b * hkv, plan_n, d, q.device, block_n, num_splits)
     o_part, lse_part = split_buffers(out, num_splits)
     scale = (1.0 / d**0.5) if scale is None else float(scale)
     _rows_tail_partial_kernel[(b, hkv, num_splits)](
@@ -147,7 +142,7 @@ def rows_tail_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, sel_
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0), sel_rows.stride(0),
         out.stride(0), out.stride(1),
         GROUP=hq // hkv, BLOCK_H=pow2(hq // hkv, 16), SPLIT=num_splits > 1,
-        PRECISION="tf32x3" if fp32 else "tf32", DOT16=dot16, D=d, BLOCK_D=pow2(d, 16), BLOCK_N=block_n,
+        PRECISION="tf32x3" if fp32 else "tf32", DOT16=dot16, D=d, BLOCK_D=block_d, BLOCK_N=block_n,
         num_warps=4,
     )
     return merge_splits(o_part, lse_part, out, num_splits)

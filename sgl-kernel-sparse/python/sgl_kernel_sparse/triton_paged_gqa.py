@@ -19,7 +19,7 @@ import triton.language as tl
 
 from . import tuning
 from .triton_common import check_device, check_gqa, check_rows, check_table, pow2
-from .triton_decode import (LOG2E, _group_softmax_step, _load_tile, _paged_slots, _store_group, merge_splits,
+from .triton_decode import (LOG2E, _group_dot_tile, _load_tile, _paged_slots, _store_group, merge_splits,
                             plan_splits, split_buffers)
 
 
@@ -59,10 +59,7 @@ def _paged_gqa_partial_kernel(
         slot, ok = _paged_slots(IDX, REQ_TO_TOKEN, n0 + tl.arange(0, BLOCK_N), stop, req, seq_len, b, kvh,
                                 s_ib, s_ih, s_in, s_rt, PAGE, ALIGNED)
         k, v = _load_tile(K, V, slot, ok, kvh, d, dmask, s_ks, s_kh, s_vs, s_vh)
-        logit = tl.dot(qd, tl.trans(k.to(DT)), input_precision=PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
-        logit = tl.where(ok[None, :], logit, -float("inf"))
-        p, m_i, l_i, acc = _group_softmax_step(logit, m_i, l_i, acc)
-        acc += tl.dot(p.to(DT), v.to(DT), input_precision=PRECISION)
+        m_i, l_i, acc = _group_dot_tile(qd, k, v, ok, qk_scale, m_i, l_i, acc, PRECISION)
     _store_group(OUT, O_PART, LSE_PART, acc, m_i, l_i, b, heads, hmask, s, d, dmask, s_ob, s_oh, hq, n_split,
                  D, SPLIT)
 
