@@ -29,9 +29,10 @@ def eviction_flags(method: str, budget: int) -> list[str]:
     }[method]
 
 
-def stream_generate(base_url: str, input_ids: list[int], max_new_tokens: int) -> dict:
+def stream_generate(base_url: str, input_ids: list[int], max_new_tokens: int, on_tokens=None) -> dict:
     """One streamed /generate request (greedy, ignore_eos). Returns the arrival time of every
-    generated token (``times``, monotonic seconds), ``ttft`` (s), ``end`` and ``tokens``."""
+    generated token (``times``, monotonic seconds), ``ttft`` (s), ``end`` and ``tokens``.
+    ``on_tokens(count)``, if given, is called at every chunk with the tokens generated so far."""
     body = {
         "input_ids": input_ids,
         "stream": True,
@@ -47,6 +48,8 @@ def stream_generate(base_url: str, input_ids: list[int], max_new_tokens: int) ->
             count = json.loads(line[5:])["meta_info"]["completion_tokens"]
             now = time.monotonic()
             times += [now] * (count - len(times))  # a chunk may carry several tokens
+            if on_tokens is not None:
+                on_tokens(count)
     return {"start": start, "first": times[0], "end": time.monotonic(), "ttft": times[0] - start,
             "tokens": len(times), "times": times}
 

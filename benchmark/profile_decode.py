@@ -78,23 +78,15 @@ def prompts_for(batch: int, prompt_len: int) -> list[list[int]]:
 
 def stream_until_done(base_url: str, input_ids: list[int], max_new_tokens: int, first: threading.Event,
                       result: dict) -> None:
-    """One streamed /generate (greedy, ignore_eos); sets ``first`` at its first token; ``result``
-    gets ``first``/``end`` (monotonic s) and ``tokens`` (updated as they arrive), or ``error``."""
-    body = {"input_ids": input_ids, "stream": True,
-            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
-    tokens = 0
+    """``stream_generate`` in a worker thread: sets ``first`` at the first token; ``result`` gets
+    ``tokens`` as they arrive, then ``first``/``end`` (monotonic s), or ``error``."""
+    def seen(count: int) -> None:
+        result["tokens"] = count
+        first.set()
+
     try:
-        with requests.post(base_url + "/generate", json=body, stream=True, timeout=3600) as resp:
-            resp.raise_for_status()
-            for line in resp.iter_lines():
-                if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                    continue
-                tokens = json.loads(line[5:])["meta_info"]["completion_tokens"]
-                result["tokens"] = tokens
-                if not first.is_set():
-                    result["first"] = time.monotonic()
-                    first.set()
-        result.update(end=time.monotonic(), tokens=tokens)
+        done = stream_generate(base_url, input_ids, max_new_tokens, on_tokens=seen)
+        result.update(first=done["first"], end=done["end"], tokens=done["tokens"])
     except Exception as exc:  # reported by the caller
         result["error"] = f"{type(exc).__name__}: {exc}"
         first.set()
