@@ -374,25 +374,34 @@ def case_paged_gqa_equals_the_expanded_reference(T):
     loaded once for the group, ``tl.dot`` over a padded query tile) gives the per-query-head
     reference over the expanded page ids; aligned and per-row lookups, split-K, pipelining,
     partial last pages, padding, a KV head with no page, groups of 4 and 1; fp32, fp16, bf16."""
-    page = 4
-    seq_lens = [5 * page + 1, 3 * page, 4 * page - 1]
+    from sgl_kernel_sparse.triton_decode import plan_splits
+
+    page, n_sel = 4, 12  # 48 entries per KV head: 3 tiles of 16, so up to 3 splits
+    seq_lens = [13 * page + 1, 12 * page, 11 * page - 1]
     g = torch.Generator().manual_seed(25)
     ctx = (max(seq_lens) // page + 2) * page
     r2t = _aligned_table(4, ctx, page, g)
     req_rows = torch.tensor([2, 0, 3])
     seq = torch.tensor(seq_lens)
+    for splits in (2, 3):  # the split-K and fused-merge variants below really run split
+        assert plan_splits(6, n_sel * page, 32, torch.device("cpu"), 16, splits)[1] == splits
     for dtype, hq, hkv in ((torch.float32, 8, 2), (torch.float16, 8, 2), (torch.bfloat16, 2, 2)):
-        _, _, _, _, _, page_ids, _ = paged_inputs(3, hkv, hkv, 32, page, 3, dtype, 26, seq_lens)
+        _, _, _, _, _, page_ids, _ = paged_inputs(3, hkv, hkv, 32, page, n_sel, dtype, 26, seq_lens)
         q = torch.randn(3, hq, 32, generator=g).to(dtype)
         k = torch.randn(int(r2t.max()) + page, hkv, 32, generator=g).to(dtype)
         v = torch.randn_like(k)
         want = R.paged_gqa_decode_attention(q, k, v, r2t, req_rows, page_ids, seq, page)
         close(want, R.paged_sparse_decode_attention(q, k, v, r2t, req_rows, page_ids.repeat_interleave(hq // hkv, 1),
                                                     seq, page), dtype, "reference expands")
-        for aligned, splits, stages in ((False, 1, 0), (True, 3, 0), (True, 2, 2)):
+        for aligned, splits, stages, prefetch, kv in ((False, 1, 0, False, False), (True, 3, 0, False, False),
+                                                      (True, 2, 2, None, None), (True, 3, 0, None, None),
+                                                      (False, 2, 0, True, True), (True, 3, 0, False, True),
+                                                      (True, 1, 0, None, True)):
             got = T.paged_gqa_decode_attention(q, k, v, r2t, req_rows, page_ids, seq, page, num_splits=splits,
-                                               block_n=16, aligned=aligned, num_stages=stages, num_warps=2)
-            close(got, want, dtype, f"{dtype} hq={hq} aligned={aligned} splits={splits} stages={stages}")
+                                               block_n=16, aligned=aligned, num_stages=stages, num_warps=2,
+                                               prefetch=prefetch, prefetch_kv=kv)
+            close(got, want, dtype, f"{dtype} hq={hq} aligned={aligned} splits={splits} stages={stages} "
+                  f"prefetch={prefetch} prefetch_kv={kv}")
             assert (got[0, (hq // hkv):2 * (hq // hkv)] == 0).all(), "a KV head with no page: zeros"
 
 
@@ -890,10 +899,15 @@ def test_gpu_paged_gqa_decode(dtype):
     req_rows = torch.tensor([3, 0, 4, 1], device="cuda")
     want = R.paged_gqa_decode_attention(q, k, v, r2t, req_rows, page_ids, seq, page)
     for aligned in (False, True):
-        for splits, block_n, warps, stages in ((None, None, None, None), (1, 64, 8, 2), (16, 16, 4, 4), (32, 32, 8, None)):
+        for splits, block_n, warps, stages, pre, kv in ((None, None, None, None, None, None), (1, 64, 8, 2, False, False),
+                                                        (16, 16, 4, 4, False, False), (32, 32, 8, None, False, False),
+                                                        (16, 64, 4, None, True, False), (8, 32, 4, None, None, True),
+                                                        (3, 64, 2, None, None, True)):
             got = T.paged_gqa_decode_attention(q, k, v, r2t, req_rows, page_ids, seq, page, aligned=aligned,
-                                               num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
-            close(got, want, dtype, f"aligned={aligned} splits={splits} block_n={block_n} stages={stages}")
+                                               num_splits=splits, block_n=block_n, num_warps=warps,
+                                               num_stages=stages, prefetch=pre, prefetch_kv=kv)
+            close(got, want, dtype, f"aligned={aligned} splits={splits} block_n={block_n} stages={stages} "
+                  f"prefetch={pre} prefetch_kv={kv}")
 
 
 @pytest.mark.gpu

@@ -83,6 +83,9 @@
 #                   compiled at 16 splits, 8K prompt, one server at a time, SGLang's /start_profile over 40
 #                   steps; prints kernels and host ops per step side by side (benchmark/profile_decode.py, ~7 min, est.)
 #   kernels-omnikv  OmniKV's decode kernels: GPU tests against the references, then bench_kernels --only omnikv (~1 min, est.)
+#   tune-gqa        the GQA paged kernel (--sparse-select-per kv_head): a plain loop / slots a tile ahead / slots and
+#                   K/V a tile ahead; GPU tests, bench_kernels --only gqa --sweep (128K batch 1 / 4, 32K batch 32),
+#                   then the sweep as the server runs it (128K, batch 4 / 1) with its % of HBM (~7 min, est.)
 #   profile-omnikv-b1 / -b4  OmniKV's compiled decode step at 128K next to dense's, kernel by kernel
 #                   (benchmark/profile_decode.py, batch 1 fits an H100 ~6 min; batch 4 H200 only, ~11 min, est.)
 #   overhead-compile-b8  the same at batch 8 only, dense first, a 128-token window (237 s on a warm
@@ -174,6 +177,12 @@ for stage in "$@"; do
       timeout 240 python3 -m pytest -q -m gpu test/test_sparse_kernels.py -k omnikv 2>&1 | tee "$OUT/gpu_tests_omnikv.txt"
       timeout 200 python3 sgl-kernel-sparse/bench/bench_kernels.py --only omnikv --out "$OUT/kernels_omnikv.json" \
         2>&1 | tee "$OUT/$stage.txt" ;;
+    tune-gqa)  # issue 15's >= 80% of HBM for the paged kernel, on the GQA kernel (see the list above)
+      gpu_tests "$stage" test/test_sparse_kernels.py -k paged_gqa
+      timeout 200 python3 sgl-kernel-sparse/bench/bench_kernels.py --only gqa --sweep --iters 50 \
+        --out "$OUT/kernels_gqa.json" 2>&1 | tee "$OUT/$stage.txt"
+      timeout 300 python3 benchmark/gpu/tune_quest_kernels.py --batch 4 1 --ctx 131072 --budget 2048 \
+        --stages paged_gqa_decode_attention --time-limit 200 --out "$OUT/gqa_tuning_128k.json" 2>&1 | tee -a "$OUT/$stage.txt" ;;
     kernels-quest128k)  # issue 15: Quest's served decode kernels one by one at 128K, batch 1 / 4, and attn_sums (15 s, 2026-12-05)
       timeout 200 python3 sgl-kernel-sparse/bench/bench_kernels.py --only quest128k attn_sums \
         --out "$OUT/kernels_quest128k.json" 2>&1 | tee "$OUT/$stage.txt" ;;

@@ -13,7 +13,9 @@ with ``--page-size 16``) and their per-page key summaries. Each stage of a spars
   (``aligned``: one table entry per page; ``prefetch``: next tile's ids ahead; ``stages2/3``:
   Triton loop pipelining)
 - ``paged_gqa_decode_attention`` (``--sparse-select-per kv_head``: one page set per KV head, each
-  page loaded once for its query heads)  ``num_splits`` x ``block_n`` x ``num_warps`` x ``num_stages``
+  page loaded once for its query heads)  ``num_splits`` x ``block_n`` x ``num_warps`` x variant
+  (``GQA_VARIANTS``: plain, Triton pipelining, ``prefetch``, ``prefetch_kv``); its lines also give the
+  bandwidth the kernel draws on the bytes it must read (each chosen row once per KV head)
 
 is captured into a CUDA graph that runs it once per layer (distinct KV per layer, as in a step:
 nothing stays in L2 from the previous call) and timed over replays: per config the median of
@@ -61,6 +63,12 @@ ATTN_VARIANTS = {  # name -> launch options (every variant on Quest's aligned pa
     "stages2": dict(prefetch=False, num_stages=2),
     "stages3": dict(prefetch=False, num_stages=3),
 }
+GQA_VARIANTS = {  # the GQA kernel's: a plain loop, Triton pipelining, the next tile's slots / slots and K/V ahead
+    "plain": dict(prefetch=False),
+    "stages2": dict(prefetch=False, num_stages=2),
+    "prefetch": dict(prefetch=True),
+    "prefetch_kv": dict(prefetch_kv=True),
+}
 
 
 def grids(quick: bool) -> dict:
@@ -71,15 +79,16 @@ def grids(quick: bool) -> dict:
                 "select_top_kv": [{}, dict(method="radix"), dict(method="nibble")],
                 "paged_sparse_decode_attention": [{}, dict(num_splits=2, block_n=16, num_warps=2, **ATTN_VARIANTS["prefetch"]),
                                                   dict(num_splits=2, block_n=16, **ATTN_VARIANTS["stages2"])],
-                "paged_gqa_decode_attention": [{}, dict(num_splits=2, block_n=16, num_warps=2)]}
+                "paged_gqa_decode_attention": [{}, dict(num_splits=2, block_n=16, num_warps=2),
+                                               dict(num_splits=2, block_n=16, num_warps=2, **GQA_VARIANTS["prefetch_kv"])]}
     scores = [{}] + [dict(block_p=p, num_warps=w) for p in (16, 32, 64, 128) for w in (2, 4, 8)]
     select = [{}] + [dict(method=m, num_warps=w, chunk=c) for m in ("nibble", "bits", "radix")
                      for w in (4, 8, 16, 32)
                      for c in (1024, 4096)]
     attn = [{}] + [dict(num_splits=s, block_n=bn, num_warps=w, **ATTN_VARIANTS[v])
                    for v in ATTN_VARIANTS for s in (None, 8, 16, 32, 64) for bn in (16, 32, 64) for w in (4, 8)]
-    gqa = [{}] + [dict(num_splits=s, block_n=bn, num_warps=w, num_stages=st) for s in (None, 4, 8, 16, 32)
-                  for bn in (16, 32, 64) for w in (4, 8) for st in (None, 2, 4)]
+    gqa = [{}] + [dict(num_splits=s, block_n=bn, num_warps=w, **GQA_VARIANTS[v]) for s in (None, 16, 32, 64)
+                  for bn in (32, 64) for w in (2, 4, 8) for v in GQA_VARIANTS]
     return {"quest_page_scores_paged": scores, "select_top": select, "select_top_kv": select,
             "paged_sparse_decode_attention": attn, "paged_gqa_decode_attention": gqa}
 
@@ -264,6 +273,17 @@ def table_entries(batches: dict) -> tuple[dict, list[str]]:
     return entries, sorted(set(dropped))
 
 
+def gqa_bytes(b, n_pages) -> int:
+    """What HBM must deliver to the GQA kernel per layer: every chosen K and V row once per KV head
+    (bf16), a page id and a slot-table entry per page, q read and the output written (split
+    partials left out: they stay in L2)."""
+    rows = b * HKV * n_pages * PAGE
+    return 2 * rows * D * 2 + b * HKV * n_pages * 8 + 2 * b * HQ * D * 2
+
+
+HBM_TBPS = {"H200": 4.8, "H100": 3.35}  # by a name part of torch.cuda.get_device_name (SXM parts)
+
+
 def fmt(cfg) -> str:
     return ",".join(f"{k}={v}" for k, v in cfg.items()) or "default"
 
@@ -282,6 +302,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="a few configs per stage")
     ap.add_argument("--stages", nargs="+", default=None,
                     help="sweep only these stages (the others keep their defaults: {} only)")
+    ap.add_argument("--hbm-tbps", type=float, default=None,
+                    help="HBM ceiling in TB/s for the GQA kernel's %% of HBM (default: H200 4.8, H100 3.35)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--write-config", default=None, help="write the best configs as a tuning table here")
     ap.add_argument("--write-config-dir", default=None,
@@ -306,6 +328,8 @@ def main() -> int:
                   file=sys.stderr)
             return 2
     dev, dt = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    if args.hbm_tbps is None and cuda:
+        args.hbm_tbps = next((v for k, v in HBM_TBPS.items() if k in torch.cuda.get_device_name()), None)
     n_sel = max(3, args.budget // PAGE)
     share = args.time_limit / max(1, len(args.batch) * sum(len(c) > 1 for c in grid.values()))
     result = dict(settings=vars(args), device=torch.cuda.get_device_name() if cuda else "cpu (interpreter)",
@@ -336,6 +360,16 @@ def main() -> int:
             print(f"batch {b} {stage:<31} default {base if base is None else round(base, 1)} us -> best "
                   f"{top.get('us', float('nan')):.1f} us ({fmt(top['config'])}); "
                   f"{sum(1 for r in rows if not r.get('ok'))} configs failed or disagreed", flush=True)
+            if stage == "paged_gqa_decode_attention":  # bandwidth on the bytes it must read
+                moved = gqa_bytes(b, n_sel)
+                for r in rows:
+                    if "us" in r:
+                        r["gb_per_s"] = moved / r["us"] / 1e3
+                        r["pct_hbm"] = 100 * r["gb_per_s"] / (args.hbm_tbps * 1e3) if args.hbm_tbps else None
+                if "gb_per_s" in top:
+                    print(f"batch {b} {stage}: {moved / 1e6:.1f} MB per layer; default "
+                          f"{rows[0].get('gb_per_s', float('nan')):.0f} GB/s, best {top['gb_per_s']:.0f} GB/s"
+                          + (f" = {top['pct_hbm']:.0f}% of {args.hbm_tbps} TB/s" if args.hbm_tbps else ""), flush=True)
         layer = {}
         for name, cfgs, per_kv in (("head_default", {s: {} for s in grid}, False), ("head_tuned", best, False),
                                    ("kv_head_default", {s: {} for s in grid}, True), ("kv_head_tuned", best, True)):

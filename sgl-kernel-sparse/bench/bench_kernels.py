@@ -4,8 +4,9 @@ For each kernel and shape: warm-up, then the median of ``--iters`` timed calls (
 around each call; L2 flushed before each call unless ``--no-flush``), the bytes the kernel
 reads and writes (counted from the shapes: every index, KV row, summary and output it touches;
 a KV row read by several query heads counts once per head), achieved GB/s and its share of the
-HBM ceiling (``--hbm-tbps``, H200: 4.8). The plain-torch reference is timed too (``--no-ref``
-to skip). Shapes: a Llama-3-8B-like layer (32 query heads, 8 KV heads, head dim 128).
+HBM ceiling (``--hbm-tbps``; by default the GPU's: H200 4.8, H100 3.35). The plain-torch
+reference is timed too (``--no-ref`` to skip). Shapes: a Llama-3-8B-like layer (32 query heads,
+8 KV heads, head dim 128).
 
     python sgl-kernel-sparse/bench/bench_kernels.py --out results.json [--dtype bf16] [--quick]
 """
@@ -36,13 +37,20 @@ SIZES = dict(ctx=32768, n_sel=2048, batches=(1, 8, 32), quick_batches=(8,), page
              # (budget 2,048 + interval 32) and the chunk's own
              sums_chunk=8192, sums_held=2080,
              # Quest's served decode step at the 128K matched runs (per-physical-page summaries)
-             q128_ctx=131072, q128_batches=(1, 4), q128_sel=2048)
+             q128_ctx=131072, q128_batches=(1, 4), q128_sel=2048,
+             # the GQA kernel of Quest --sparse-select-per kv_head: the 128K matched shapes, and 32 requests of
+             # 32K (issue 4's batch, where enough bytes are in flight to fill HBM)
+             gqa_shapes=((131072, 1), (131072, 4), (32768, 32)), gqa_sel=2048)
+
+
+HBM_TBPS = {"H200": 4.8, "H100": 3.35}  # HBM ceilings by a part of torch.cuda.get_device_name() (SXM parts)
 
 
 def parse_args():
     ap = argparse.ArgumentParser(description="sgl_kernel_sparse kernel microbenchmark (CUDA)")
     ap.add_argument("--out", required=True, help="write the results as JSON here")
-    ap.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM ceiling in TB/s (H200: 4.8)")
+    ap.add_argument("--hbm-tbps", type=float, default=None,
+                    help="HBM ceiling in TB/s (default by the GPU's name: H200 4.8, H100 3.35; else required)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--iters", type=int, default=50)
@@ -51,7 +59,8 @@ def parse_args():
     ap.add_argument("--no-ref", action="store_true", help="do not time the torch references")
     ap.add_argument("--no-flush", action="store_true", help="keep L2 warm between calls")
     ap.add_argument("--only", nargs="*", default=None,
-                    help="case groups to run (decode quest snapkv compact kivi turboquant palu cells omnikv attn_sums quest128k; "
+                    help="case groups to run (decode quest snapkv compact kivi turboquant palu cells omnikv attn_sums quest128k "
+                         "gqa; "
                          "default all)")
     return ap.parse_args()
 
@@ -431,6 +440,47 @@ def quest128k_cases(dtype, quick, sweep, T, R, g):
                        ref=None)
 
 
+GQA_VARIANTS = {"plain": dict(prefetch=False), "prefetch": dict(prefetch=True), "prefetch_kv": dict(prefetch_kv=True)}
+
+
+def gqa_cases(dtype, quick, sweep, T, R, g):
+    """``paged_gqa_decode_attention`` (Quest ``--sparse-select-per kv_head``) on aligned pages of 16:
+    ``gqa_sel`` rows per KV head, each page read once for its group. Bytes count what HBM must
+    deliver: each chosen KV row once per KV head, one table entry and one page id per page (read
+    by every row of the page, but from the same line), q and the output, the split partials. The
+    launch variants (``GQA_VARIANTS``: a plain loop, the next tile's slots ahead, its slots and K/V
+    ahead) at the wrapper's split / tile choice; ``sweep``: also at each split count x tile."""
+    from sgl_kernel_sparse.triton_decode import plan_splits
+
+    page, n_sel = SIZES["page"], SIZES["gqa_sel"]
+    k_pages = n_sel // page
+    shapes = SIZES["gqa_shapes"][1:2] if quick else SIZES["gqa_shapes"]
+    for ctx, b in shapes:
+        k, v = kv_pool(b * ctx, dtype, g)
+        r2t = paged_table(b, ctx, page, g)
+        req = torch.arange(b, device=DEVICE, dtype=torch.int32)
+        q = torch.randn(b, HQ, D, generator=g, device=DEVICE).to(dtype)
+        seq = torch.full((b,), ctx - 5, dtype=torch.int32, device=DEVICE)
+        # k_pages distinct pages per (request, KV head), sorted as select_top leaves them
+        page_ids = torch.rand(b, HKV, ctx // page - 1, generator=g, device=DEVICE).argsort(-1)[..., :k_pages]
+        page_ids = page_ids.sort(-1).values.int()
+        grid = [(None, None)]
+        if sweep:
+            grid += [(s, bn) for s in (4, 8, 16, 32, 64) for bn in (16, 32, 64)]
+        for splits, block_n in grid:
+            for name, opts in GQA_VARIANTS.items():
+                cfg = dict(num_splits=splits, block_n=block_n, **opts)
+                n_split = plan_splits(b * HKV, n_sel, D, q.device, max(16, block_n or 32), splits)[1]
+                moved = (2 * nbytes(q) + b * HKV * k_pages * 8 + 2 * b * HKV * n_sel * D * k.element_size()
+                         + splits_bytes(b, n_split))
+                shown = {k_: v_ for k_, v_ in cfg.items() if v_ is not None} or "auto"
+                yield dict(kernel="paged_gqa_decode_attention", shape=f"B={b} {k_pages}x{page}/KVh ctx={ctx}",
+                           config=shown, bytes=moved, variant=name, splits=n_split,
+                           run=lambda cfg=cfg, a=(q, k, v, r2t, req, page_ids, seq, page):
+                           T.paged_gqa_decode_attention(*a, aligned=True, **cfg),
+                           ref=None)
+
+
 def attn_sums_cases(dtype, quick, T, R, g):
     """Accumulated attention of a prompt chunk (``triton_attn_sums``, H2O / SkipKV / R-KV). It is
     compute-bound: ``flops`` counts both passes' ``QK^T`` over the whole chunk x rows rectangle
@@ -460,6 +510,12 @@ def main() -> int:
     from sgl_kernel_sparse import reference as R
     from sgl_kernel_sparse import triton_ops as T
 
+    if args.hbm_tbps is None:
+        name = torch.cuda.get_device_name()
+        args.hbm_tbps = next((v for k, v in HBM_TBPS.items() if k in name), None)
+        if args.hbm_tbps is None:
+            print(f"--hbm-tbps: no default for {name!r}; pass this GPU's HBM ceiling in TB/s", file=sys.stderr)
+            return 2
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     timer = Timer(args.warmup, args.iters, not args.no_flush)
     g = torch.Generator(device=DEVICE).manual_seed(0)
@@ -474,7 +530,8 @@ def main() -> int:
               "cells": lambda: cells_cases(dtype, args.quick, T, R, g),
               "omnikv": lambda: omnikv_cases(dtype, args.quick, T, R, g),
               "attn_sums": lambda: attn_sums_cases(dtype, args.quick, T, R, g),
-              "quest128k": lambda: quest128k_cases(dtype, args.quick, args.sweep, T, R, g)}
+              "quest128k": lambda: quest128k_cases(dtype, args.quick, args.sweep, T, R, g),
+              "gqa": lambda: gqa_cases(dtype, args.quick, args.sweep, T, R, g)}
     unknown = set(args.only or ()) - set(groups)
     if unknown:
         print(f"--only: unknown group(s) {sorted(unknown)}; allowed: {sorted(groups)}", file=sys.stderr)
