@@ -393,15 +393,13 @@ def case_paged_gqa_equals_the_expanded_reference(T):
         want = R.paged_gqa_decode_attention(q, k, v, r2t, req_rows, page_ids, seq, page)
         close(want, R.paged_sparse_decode_attention(q, k, v, r2t, req_rows, page_ids.repeat_interleave(hq // hkv, 1),
                                                     seq, page), dtype, "reference expands")
-        for aligned, splits, stages, prefetch, kv in ((False, 1, 0, False, False), (True, 3, 0, False, False),
-                                                      (True, 2, 2, None, None), (True, 3, 0, None, None),
-                                                      (False, 2, 0, True, True), (True, 3, 0, False, True),
-                                                      (True, 1, 0, None, True)):
+        for aligned, splits, stages, prefetch in ((False, 1, 0, False), (True, 3, 0, False), (True, 2, 2, None),
+                                                  (True, 3, 0, None), (False, 2, 0, True), (True, 1, 0, True)):
             got = T.paged_gqa_decode_attention(q, k, v, r2t, req_rows, page_ids, seq, page, num_splits=splits,
                                                block_n=16, aligned=aligned, num_stages=stages, num_warps=2,
-                                               prefetch=prefetch, prefetch_kv=kv)
+                                               prefetch=prefetch)
             close(got, want, dtype, f"{dtype} hq={hq} aligned={aligned} splits={splits} stages={stages} "
-                  f"prefetch={prefetch} prefetch_kv={kv}")
+                  f"prefetch={prefetch}")
             assert (got[0, (hq // hkv):2 * (hq // hkv)] == 0).all(), "a KV head with no page: zeros"
 
 
@@ -899,15 +897,14 @@ def test_gpu_paged_gqa_decode(dtype):
     req_rows = torch.tensor([3, 0, 4, 1], device="cuda")
     want = R.paged_gqa_decode_attention(q, k, v, r2t, req_rows, page_ids, seq, page)
     for aligned in (False, True):
-        for splits, block_n, warps, stages, pre, kv in ((None, None, None, None, None, None), (1, 64, 8, 2, False, False),
-                                                        (16, 16, 4, 4, False, False), (32, 32, 8, None, False, False),
-                                                        (16, 64, 4, None, True, False), (8, 32, 4, None, None, True),
-                                                        (3, 64, 2, None, None, True)):
+        for splits, block_n, warps, stages, pre in ((None, None, None, None, None), (1, 64, 8, 2, None),
+                                                    (16, 16, 4, 4, False), (32, 32, 8, None, False),
+                                                    (16, 64, 4, None, True), (3, 32, 2, None, True)):
             got = T.paged_gqa_decode_attention(q, k, v, r2t, req_rows, page_ids, seq, page, aligned=aligned,
                                                num_splits=splits, block_n=block_n, num_warps=warps,
-                                               num_stages=stages, prefetch=pre, prefetch_kv=kv)
+                                               num_stages=stages, prefetch=pre)
             close(got, want, dtype, f"aligned={aligned} splits={splits} block_n={block_n} stages={stages} "
-                  f"prefetch={pre} prefetch_kv={kv}")
+                  f"prefetch={pre}")
 
 
 @pytest.mark.gpu

@@ -14,7 +14,7 @@ with ``--page-size 16``) and their per-page key summaries. Each stage of a spars
   Triton loop pipelining)
 - ``paged_gqa_decode_attention`` (``--sparse-select-per kv_head``: one page set per KV head, each
   page loaded once for its query heads)  ``num_splits`` x ``block_n`` x ``num_warps`` x variant
-  (``GQA_VARIANTS``: plain, Triton pipelining, ``prefetch``, ``prefetch_kv``); its lines also give the
+  (``GQA_VARIANTS``: plain, Triton pipelining, ``prefetch``); its lines also give the
   bandwidth the kernel draws on the bytes it must read (each chosen row once per KV head)
 
 is captured into a CUDA graph that runs it once per layer (distinct KV per layer, as in a step:
@@ -63,11 +63,10 @@ ATTN_VARIANTS = {  # name -> launch options (every variant on Quest's aligned pa
     "stages2": dict(prefetch=False, num_stages=2),
     "stages3": dict(prefetch=False, num_stages=3),
 }
-GQA_VARIANTS = {  # the GQA kernel's: a plain loop, Triton pipelining, the next tile's slots / slots and K/V ahead
+GQA_VARIANTS = {  # the GQA kernel's: a plain loop, Triton pipelining, the next tile's slots ahead
     "plain": dict(prefetch=False),
     "stages2": dict(prefetch=False, num_stages=2),
     "prefetch": dict(prefetch=True),
-    "prefetch_kv": dict(prefetch_kv=True),
 }
 
 
@@ -80,7 +79,7 @@ def grids(quick: bool) -> dict:
                 "paged_sparse_decode_attention": [{}, dict(num_splits=2, block_n=16, num_warps=2, **ATTN_VARIANTS["prefetch"]),
                                                   dict(num_splits=2, block_n=16, **ATTN_VARIANTS["stages2"])],
                 "paged_gqa_decode_attention": [{}, dict(num_splits=2, block_n=16, num_warps=2),
-                                               dict(num_splits=2, block_n=16, num_warps=2, **GQA_VARIANTS["prefetch_kv"])]}
+                                               dict(num_splits=2, block_n=16, num_warps=2, **GQA_VARIANTS["prefetch"])]}
     scores = [{}] + [dict(block_p=p, num_warps=w) for p in (16, 32, 64, 128) for w in (2, 4, 8)]
     select = [{}] + [dict(method=m, num_warps=w, chunk=c) for m in ("nibble", "bits", "radix")
                      for w in (4, 8, 16, 32)

@@ -440,7 +440,7 @@ def quest128k_cases(dtype, quick, sweep, T, R, g):
                        ref=None)
 
 
-GQA_VARIANTS = {"plain": dict(prefetch=False), "prefetch": dict(prefetch=True), "prefetch_kv": dict(prefetch_kv=True)}
+GQA_VARIANTS = {"plain": dict(prefetch=False), "prefetch": dict(prefetch=True)}
 
 
 def gqa_cases(dtype, quick, sweep, T, R, g):
@@ -448,8 +448,8 @@ def gqa_cases(dtype, quick, sweep, T, R, g):
     ``gqa_sel`` rows per KV head, each page read once for its group. Bytes count what HBM must
     deliver: each chosen KV row once per KV head, one table entry and one page id per page (read
     by every row of the page, but from the same line), q and the output, the split partials. The
-    launch variants (``GQA_VARIANTS``: a plain loop, the next tile's slots ahead, its slots and K/V
-    ahead) at the wrapper's split / tile choice; ``sweep``: also at each split count x tile."""
+    launch variants (``GQA_VARIANTS``: a plain loop, the next tile's slots ahead: the default) at
+    the wrapper's split / tile choice; ``sweep``: also at each split count x tile."""
     from sgl_kernel_sparse.triton_decode import plan_splits
 
     page, n_sel = SIZES["page"], SIZES["gqa_sel"]

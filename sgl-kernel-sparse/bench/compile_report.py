@@ -169,10 +169,9 @@ def _exercise(dtypes) -> None:
                                          dot16=True)
         T.paged_gqa_decode_attention(q, kc, kc, r2t, req, kv_pages, req + 500, 16, num_splits=4, aligned=True,
                                      num_stages=3, dot16=True)
-        for prefetch, kv in ((False, False), (True, False), (True, True)):  # the default: prefetch on
+        for prefetch in (False, True):  # (the default: prefetch on unless num_stages is given)
             T.paged_gqa_decode_attention(q, kc, kc, r2t, req, kv_pages, req + 500, 16, num_splits=8, aligned=True,
-                                         block_n=32 if dt == torch.float32 else 64, dot16=True, prefetch=prefetch,
-                                         prefetch_kv=kv)
+                                         block_n=32 if dt == torch.float32 else 64, dot16=True, prefetch=prefetch)
         T.snapkv_window_scores(torch.zeros(32, hq, d, dtype=dt), kc)
         T.snapkv_window_scores(torch.zeros(32, hq, d, dtype=dt), kc, slots=torch.arange(100))
         T.compact_kv(kc, kc, torch.zeros(hkv, 100, dtype=torch.int64), torch.arange(100))

@@ -10,10 +10,10 @@ page's first slot + ``n % PAGE``, as ``triton_decode._paged_slots``). Online sof
 base 2; split-K partials merged by ``triton_decode._decode_reduce_kernel``. fp16 / bf16 dot in
 their own dtype with fp32 accumulation; fp32 uses 3xTF32 (about fp32 accuracy).
 
-A tile waits on three dependent loads (page ids -> slot table -> K/V). ``PREFETCH`` 1 resolves the
-next tile's slots while this tile's K/V are in flight (a tile waits on one load); 2 also issues the
-next tile's K/V loads before this tile's dots (two tiles of K/V in flight per program). 0: a plain
-loop, which Triton may pipeline (``NUM_STAGES``).
+A tile waits on three dependent loads (page ids -> slot table -> K/V). ``PREFETCH`` resolves the
+next tile's slots while this tile's K/V are in flight, so a tile waits on one load; without it, a
+plain loop that Triton may pipeline (``NUM_STAGES``). (Issuing the next tile's K/V loads ahead as
+well, two tiles in flight per program, measured slower at every shape on an H100: 2026-12-06.)
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _paged_gqa_partial_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr, ALIGNED: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT16: tl.constexpr, NUM_STAGES: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREFETCH: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = False,
 ):
     # triton_decode._group_program's prologue written out: called, it moves the seq_len load
     # below the index arithmetic and reorders the PTX of the kernel Quest's figures were measured on
@@ -61,21 +61,7 @@ def _paged_gqa_partial_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     start = s * chunk
     stop = tl.minimum(start + chunk, N)
-    if PREFETCH == 2:  # tile n0's K/V arrive while tile n0 + BLOCK_N's are requested
-        slot, ok = _paged_slots(IDX, REQ_TO_TOKEN, start + tl.arange(0, BLOCK_N), stop, req, seq_len, b, kvh,
-                                s_ib, s_ih, s_in, s_rt, PAGE, ALIGNED)
-        k, v = _load_tile(K, V, slot, ok, kvh, d, dmask, s_ks, s_kh, s_vs, s_vh)
-        cur_ok = ok
-        slot, ok = _paged_slots(IDX, REQ_TO_TOKEN, start + BLOCK_N + tl.arange(0, BLOCK_N), stop, req, seq_len, b,
-                                kvh, s_ib, s_ih, s_in, s_rt, PAGE, ALIGNED)
-        for n0 in range(start, stop, BLOCK_N):
-            k_next, v_next = _load_tile(K, V, slot, ok, kvh, d, dmask, s_ks, s_kh, s_vs, s_vh)
-            next_ok = ok
-            slot, ok = _paged_slots(IDX, REQ_TO_TOKEN, n0 + 2 * BLOCK_N + tl.arange(0, BLOCK_N), stop, req, seq_len,
-                                    b, kvh, s_ib, s_ih, s_in, s_rt, PAGE, ALIGNED)
-            m_i, l_i, acc = _group_dot_tile(qd, k, v, cur_ok, qk_scale, m_i, l_i, acc, PRECISION)
-            k, v, cur_ok = k_next, v_next, next_ok
-    elif PREFETCH == 1:
+    if PREFETCH:
         slot, ok = _paged_slots(IDX, REQ_TO_TOKEN, start + tl.arange(0, BLOCK_N), stop, req, seq_len, b, kvh,
                                 s_ib, s_ih, s_in, s_rt, PAGE, ALIGNED)
         for n0 in range(start, stop, BLOCK_N):
@@ -96,15 +82,13 @@ def _paged_gqa_partial_kernel(
 
 def paged_gqa_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, page_ids, seq_lens, page,
                                scale=None, num_splits=None, block_n=None, num_warps=None, num_stages=None,
-                               aligned=False, dot16=None, prefetch=None, prefetch_kv=None):
+                               aligned=False, dot16=None, prefetch=None):
     """Triton version of ``reference.paged_gqa_decode_attention`` (page_ids ``[B, Hkv, P]``, ``-1`` =
     padding; every query head reads its KV head's pages). ``aligned`` as in
     ``triton_decode.paged_sparse_decode_attention``; launch options left ``None`` come from the
     device's tuning table (``tuning.py``, kernel ``paged_gqa_decode_attention``). ``prefetch`` (default
     on unless ``num_stages`` is given: as fast at 128K, 10% faster at 32 x 32K on an H100): the next
-    tile's slots resolved ahead;
-    ``prefetch_kv``: its K/V loads issued ahead too (``PREFETCH`` 2). Either is a pipeline of its
-    own: ``num_stages`` is then unused. No host sync."""
+    tile's slots resolved ahead, a pipeline of its own: ``num_stages`` is then unused. No host sync."""
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     check_gqa(hq, hkv)
@@ -117,7 +101,7 @@ def paged_gqa_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, page
     if b == 0 or hq == 0:
         return out
     cfg = tuning.fill("paged_gqa_decode_attention", b, q.device, num_splits=num_splits, block_n=block_n,
-                      num_warps=num_warps, num_stages=num_stages, prefetch=prefetch, prefetch_kv=prefetch_kv)
+                      num_warps=num_warps, num_stages=num_stages, prefetch=prefetch)
     n_total = page_ids.shape[2] * int(page)
     want_n = max(16, cfg["block_n"]) if cfg["block_n"] else None  # a tl.dot dimension
     block_n, splits, chunk = plan_splits(b * hkv, n_total, d, q.device, want_n, cfg["num_splits"])
@@ -127,7 +111,6 @@ def paged_gqa_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, page
     o_part, lse_part = split_buffers(out, splits)
     # prefetch left unset: on, unless Triton's pipelining was asked for
     pre = cfg["prefetch"] if cfg["prefetch"] is not None else not cfg["num_stages"]
-    ahead = 2 if cfg["prefetch_kv"] else int(bool(pre))
     scale = (1.0 / d**0.5) if scale is None else float(scale)
     _paged_gqa_partial_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, req_to_token, req_rows, page_ids, seq_lens, out, o_part, lse_part,
@@ -138,7 +121,7 @@ def paged_gqa_decode_attention(q, k_cache, v_cache, req_to_token, req_rows, page
         GROUP=hq // hkv, BLOCK_H=pow2(hq // hkv, 16), PAGE=int(page), ALIGNED=bool(aligned), SPLIT=splits > 1,
         PRECISION="tf32x3" if fp32 else "tf32", DOT16=bool(dot16) and not fp32,
         NUM_STAGES=int(cfg["num_stages"] or 0), D=d, BLOCK_D=pow2(d, 16), BLOCK_N=block_n,
-        PREFETCH=ahead,
+        PREFETCH=bool(pre),
         num_warps=int(cfg["num_warps"] or 4),
     )
     return merge_splits(o_part, lse_part, out, splits)

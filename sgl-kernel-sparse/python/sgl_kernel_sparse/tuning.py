@@ -53,14 +53,13 @@ def _path_for(device: torch.device) -> Path | None:
 
 _POW2 = ("block_n", "block_p", "chunk", "num_warps")  # tile sizes and warps: powers of two
 _INTS = {"num_splits": 1, "num_warps": 1, "num_stages": 0, "block_n": 1, "block_p": 1, "chunk": 1}  # -> minimum
-_CHOICES = {"prefetch": (True, False), "prefetch_kv": (True, False), "method": ("bits", "radix", "nibble")}
-_BOOLS = ("prefetch", "prefetch_kv")
+_CHOICES = {"prefetch": (True, False), "method": ("bits", "radix", "nibble")}
 
 
 def _bad_option(name: str, value) -> bool:
     if value is None:  # null: the wrapper's own heuristic, as an argument left None
         return name not in _INTS and name not in _CHOICES
-    if name in _BOOLS:
+    if name == "prefetch":
         return not isinstance(value, bool)
     if name in _CHOICES:
         return value not in _CHOICES[name]
