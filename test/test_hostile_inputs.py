@@ -154,6 +154,17 @@ def test_chain_id_must_be_one_string_for_one_prompt(server):
     assert_clean_refusal(post(server, "/v1/completions", completion), 400, "a batch of 2 prompts")
 
 
+def test_routing_errors_carry_a_sentence(server):
+    """Starlette's own 404 / 405 (``{"detail": "Not Found"}``, no sentence) get one naming the path
+    and the allowed methods. ``GET /prune/.``: the client drops the dot, Starlette redirects
+    ``/prune/`` to POST-only ``/prune`` (found by the generated requests, 2026-12-06)."""
+    resp = requests.get(server.base_url + "/prune/.", timeout=60)
+    assert_clean_refusal(resp, 405, "GET", "/prune", "POST")
+    assert resp.json()["detail"] == "Method Not Allowed"  # FastAPI's field is kept
+    assert_clean_refusal(requests.delete(server.base_url + "/generate", timeout=60), 405, "DELETE", "/generate")
+    assert_clean_refusal(requests.get(server.base_url + "/no/such/route", timeout=60), 404, "/no/such/route")
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_list_of_sampling_params_for_one_prompt(server, stream):
     # SGLang calls .get on the list of a single prompt (a 500); n > 1 turns the prompt into a batch,

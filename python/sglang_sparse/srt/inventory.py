@@ -201,6 +201,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch("exception-handler:request-validation", "exception-handler", "fastapi.exceptions.RequestValidationError",
           "api.generate:validation_handler", "main", "active",
           "SGLang's handler puts the endpoint's file path and line into the message"),
+    Patch("exception-handler:routing", "exception-handler", "starlette.exceptions.HTTPException",
+          "api.generate:routing_error_handler", "main", "active",
+          "404 / 405 from routing carry no sentence; others go to SGLang's handler"),
     # -- HTTP process: Chain Cache fields -----------------------------------------------------------------
     Patch("hook:chain-meta-info", "around", f"{TOKENIZER}.update_request_meta_info",
           "chains.http:around_update_meta_info", "main", "chain_cache", "chain fields into meta_info"),

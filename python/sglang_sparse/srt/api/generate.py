@@ -516,3 +516,33 @@ def validation_handler(sglang_handler):
                              "param": first or None, "code": 400}, status_code=400)
 
     return handler
+
+
+def routing_error_handler(sglang_handler):
+    """The handler of Starlette's ``HTTPException``. Its routing errors, 404 (no route) and 405 (a
+    route without this method, e.g. ``GET /prune/.``, which the client normalizes to ``/prune/``
+    and Starlette redirects to ``POST``-only ``/prune``), come as ``{"detail": "Not Found"}``: no
+    sentence saying what is allowed. Those two get one (``message``, next to ``detail``); every
+    other ``HTTPException`` goes to SGLang's handler (FastAPI's by default)."""
+
+    async def handler(request, exc):
+        code = getattr(exc, "status_code", None)
+        if code in (404, 405) and getattr(exc, "detail", None) in ("Not Found", "Method Not Allowed"):
+            from fastapi.responses import JSONResponse
+
+            path = request.url.path
+            if code == 405:
+                allowed = (getattr(exc, "headers", None) or {}).get("Allow", "")
+                text = f"{request.method} is not allowed on {path}" + (f"; allowed: {allowed}" if allowed else "")
+            else:
+                text = f"no route {request.method} {path}: see GET /openapi.json for the routes this server has"
+            return JSONResponse({"detail": exc.detail, "object": "error", "message": text,
+                                 "type": exc.detail, "param": "path", "code": code},
+                                status_code=code, headers=getattr(exc, "headers", None))
+        if sglang_handler is not None:
+            return await sglang_handler(request, exc)
+        from fastapi.exception_handlers import http_exception_handler
+
+        return await http_exception_handler(request, exc)
+
+    return handler
