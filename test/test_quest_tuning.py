@@ -179,3 +179,13 @@ def test_tune_quest_kernels_refuses_a_table_from_a_partial_sweep(tmp_path):
                           "--stages", "select_bottom", "--out", str(tmp_path / "o.json")],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and "--stages ['select_bottom']: allowed" in res.stderr, res.stderr
+
+
+def test_hbm_ceiling_by_device_name():
+    """The benchmarks' % of HBM is against the GPU's own ceiling (bench_kernels.py once took the
+    H200's 4.8 TB/s on an H100); an unknown GPU has none (the benchmark then asks for it)."""
+    from sgl_kernel_sparse.tuning import hbm_tbps
+
+    assert hbm_tbps("NVIDIA H100 80GB HBM3") == 3.35
+    assert hbm_tbps("NVIDIA H200") == 4.8
+    assert hbm_tbps("NVIDIA A100-SXM4-80GB") is None

@@ -372,8 +372,9 @@ def case_paged_launch_variants_agree(T):
 def case_paged_gqa_equals_the_expanded_reference(T):
     """One page set per KV head (Quest ``--sparse-select-per kv_head``): the GQA kernel (each page
     loaded once for the group, ``tl.dot`` over a padded query tile) gives the per-query-head
-    reference over the expanded page ids; aligned and per-row lookups, split-K, pipelining,
-    partial last pages, padding, a KV head with no page, groups of 4 and 1; fp32, fp16, bf16."""
+    reference over the expanded page ids; aligned and per-row lookups, split-K, pipelining, the next
+    tile's slots ahead (``prefetch``: on, off, and by default), partial last pages, padding, a KV
+    head with no page, groups of 4 and 1; fp32, fp16, bf16."""
     from sgl_kernel_sparse.triton_decode import plan_splits
 
     page, n_sel = 4, 12  # 48 entries per KV head: 3 tiles of 16, so up to 3 splits
@@ -383,7 +384,7 @@ def case_paged_gqa_equals_the_expanded_reference(T):
     r2t = _aligned_table(4, ctx, page, g)
     req_rows = torch.tensor([2, 0, 3])
     seq = torch.tensor(seq_lens)
-    for splits in (2, 3):  # the split-K and fused-merge variants below really run split
+    for splits in (2, 3):  # the split-K variants below really run split
         assert plan_splits(6, n_sel * page, 32, torch.device("cpu"), 16, splits)[1] == splits
     for dtype, hq, hkv in ((torch.float32, 8, 2), (torch.float16, 8, 2), (torch.bfloat16, 2, 2)):
         _, _, _, _, _, page_ids, _ = paged_inputs(3, hkv, hkv, 32, page, n_sel, dtype, 26, seq_lens)

@@ -83,9 +83,9 @@
 #                   compiled at 16 splits, 8K prompt, one server at a time, SGLang's /start_profile over 40
 #                   steps; prints kernels and host ops per step side by side (benchmark/profile_decode.py, ~7 min, est.)
 #   kernels-omnikv  OmniKV's decode kernels: GPU tests against the references, then bench_kernels --only omnikv (~1 min, est.)
-#   tune-gqa        the GQA paged kernel (--sparse-select-per kv_head): a plain loop / slots a tile ahead / slots and
-#                   K/V a tile ahead; GPU tests, bench_kernels --only gqa --sweep (128K batch 1 / 4, 32K batch 32),
-#                   then the sweep as the server runs it (128K, batch 4 / 1) with its % of HBM (~7 min, est.)
+#   tune-gqa        the GQA paged kernel (--sparse-select-per kv_head): a plain loop / Triton pipelining / slots a
+#                   tile ahead (prefetch); GPU tests, bench_kernels --only gqa --sweep (128K batch 1 / 4, 32K batch
+#                   32), then the sweep as the server runs it (128K, batch 4 / 1) with its % of HBM (79 s, 2026-12-06, H100)
 #   profile-omnikv-b1 / -b4  OmniKV's compiled decode step at 128K next to dense's, kernel by kernel
 #                   (benchmark/profile_decode.py, batch 1 fits an H100 ~6 min; batch 4 H200 only, ~11 min, est.)
 #   overhead-compile-b8  the same at batch 8 only, dense first, a 128-token window (237 s on a warm

@@ -280,9 +280,6 @@ def gqa_bytes(b, n_pages) -> int:
     return 2 * rows * D * 2 + b * HKV * n_pages * 8 + 2 * b * HQ * D * 2
 
 
-HBM_TBPS = {"H200": 4.8, "H100": 3.35}  # by a name part of torch.cuda.get_device_name (SXM parts)
-
-
 def fmt(cfg) -> str:
     return ",".join(f"{k}={v}" for k, v in cfg.items()) or "default"
 
@@ -328,7 +325,7 @@ def main() -> int:
             return 2
     dev, dt = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     if args.hbm_tbps is None and cuda:
-        args.hbm_tbps = next((v for k, v in HBM_TBPS.items() if k in torch.cuda.get_device_name()), None)
+        args.hbm_tbps = tuning.hbm_tbps(torch.cuda.get_device_name())
     n_sel = max(3, args.budget // PAGE)
     share = args.time_limit / max(1, len(args.batch) * sum(len(c) > 1 for c in grid.values()))
     result = dict(settings=vars(args), device=torch.cuda.get_device_name() if cuda else "cpu (interpreter)",

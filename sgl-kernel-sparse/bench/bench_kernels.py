@@ -43,9 +43,6 @@ SIZES = dict(ctx=32768, n_sel=2048, batches=(1, 8, 32), quick_batches=(8,), page
              gqa_shapes=((131072, 1), (131072, 4), (32768, 32)), gqa_sel=2048)
 
 
-HBM_TBPS = {"H200": 4.8, "H100": 3.35}  # HBM ceilings by a part of torch.cuda.get_device_name() (SXM parts)
-
-
 def parse_args():
     ap = argparse.ArgumentParser(description="sgl_kernel_sparse kernel microbenchmark (CUDA)")
     ap.add_argument("--out", required=True, help="write the results as JSON here")
@@ -509,10 +506,11 @@ def main() -> int:
 
     from sgl_kernel_sparse import reference as R
     from sgl_kernel_sparse import triton_ops as T
+    from sgl_kernel_sparse.tuning import hbm_tbps
 
     if args.hbm_tbps is None:
         name = torch.cuda.get_device_name()
-        args.hbm_tbps = next((v for k, v in HBM_TBPS.items() if k in name), None)
+        args.hbm_tbps = hbm_tbps(name)
         if args.hbm_tbps is None:
             print(f"--hbm-tbps: no default for {name!r}; pass this GPU's HBM ceiling in TB/s", file=sys.stderr)
             return 2

@@ -34,6 +34,15 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 _TABLES: dict = {}  # device key -> parsed table
 
 
+HBM_TBPS = {"H200": 4.8, "H100": 3.35}  # HBM ceilings (TB/s) by a part of the device name (SXM parts)
+
+
+def hbm_tbps(device_name: str) -> float | None:
+    """The HBM bandwidth ceiling of a GPU by its ``torch.cuda.get_device_name()`` (``None``: not
+    known here); the kernel benchmarks state their % of HBM against it."""
+    return next((v for k, v in HBM_TBPS.items() if k in device_name), None)
+
+
 def config_name(device_name: str) -> str:
     """File name of a device's packaged table: ``NVIDIA H200`` -> ``NVIDIA_H200.json``."""
     return device_name.strip().replace(" ", "_").replace("/", "_") + ".json"

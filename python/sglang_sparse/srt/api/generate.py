@@ -526,19 +526,19 @@ def routing_error_handler(sglang_handler):
     other ``HTTPException`` goes to SGLang's handler (FastAPI's by default)."""
 
     async def handler(request, exc):
-        code = getattr(exc, "status_code", None)
-        if code in (404, 405) and getattr(exc, "detail", None) in ("Not Found", "Method Not Allowed"):
+        code = exc.status_code
+        if code in (404, 405) and exc.detail in ("Not Found", "Method Not Allowed"):
             from fastapi.responses import JSONResponse
 
             path = request.url.path
             if code == 405:
-                allowed = (getattr(exc, "headers", None) or {}).get("Allow", "")
+                allowed = (exc.headers or {}).get("Allow", "")
                 text = f"{request.method} is not allowed on {path}" + (f"; allowed: {allowed}" if allowed else "")
             else:
                 text = f"no route {request.method} {path}: see GET /openapi.json for the routes this server has"
             return JSONResponse({"detail": exc.detail, "object": "error", "message": text,
                                  "type": exc.detail, "param": "path", "code": code},
-                                status_code=code, headers=getattr(exc, "headers", None))
+                                status_code=code, headers=exc.headers)
         if sglang_handler is not None:
             return await sglang_handler(request, exc)
         from fastapi.exception_handlers import http_exception_handler
