@@ -1,15 +1,26 @@
 """A stand-in for the launcher in ServerProcess's tests: answers ``/health_generate`` on
 ``--port``; on a taken port it logs uvicorn's bind error and stays alive, as SGLang's server does
-(its scheduler keeps running)."""
+(its scheduler keeps running). ``--child`` starts a child that ignores SIGTERM (a scheduler busy
+in a step); ``--crash`` exits after starting it, leaving it behind as a crashed launcher would."""
 
 import argparse
 import http.server
+import subprocess
+import sys
 import time
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--host")
 parser.add_argument("--port", type=int)
+parser.add_argument("--child", action="store_true")
+parser.add_argument("--crash", action="store_true")
 args, _ = parser.parse_known_args()
+
+if args.child or args.crash:
+    ignore_term = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    subprocess.Popen([sys.executable, "-c", ignore_term])
+    if args.crash:
+        sys.exit(3)
 
 
 class Health(http.server.BaseHTTPRequestHandler):

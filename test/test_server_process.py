@@ -1,7 +1,9 @@
-"""ServerProcess: ports outside the ephemeral range, and a new port when the chosen one is taken
-before the server binds it (CI once lost a TP=2 server's port to its own gloo workers)."""
+"""ServerProcess: ports outside the ephemeral range, a new port when the chosen one is taken
+before the server binds it (CI once lost a TP=2 server's port to its own gloo workers), and a
+stop that leaves no process of the server's group behind."""
 
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -54,3 +56,29 @@ def test_a_port_the_caller_chose_is_not_changed():
     finally:
         server.stop()
         taken.close()
+
+
+def test_stop_leaves_no_process_of_the_group():
+    """A child that ignores SIGTERM (a scheduler in a long step) is gone when stop returns,
+    without waiting out a grace period."""
+    server = sp.ServerProcess(["--child"], module="stand_in_server", env=ENV).start(timeout=30)
+    pgid = server.proc.pid
+    for _ in range(100):  # the child is up
+        if len(sp._group_members(pgid)) == 2:
+            break
+        time.sleep(0.05)
+    assert len(sp._group_members(pgid)) == 2
+    server.stop(timeout=20)
+    assert sp._group_members(pgid) == []
+
+
+def test_stop_after_the_launcher_crashed_kills_what_it_left():
+    """A launcher that exited at start leaves its child; the finalizer's stop must still kill it
+    (it used to return at once because the launcher itself was gone)."""
+    server = sp.ServerProcess(["--crash"], module="stand_in_server", env=ENV)
+    with pytest.raises(sp.ServerStartError, match="exited with code 3"):
+        server.start(timeout=30)
+    pgid = server.proc.pid
+    assert sp._group_members(pgid), "the crashed launcher's child should still run"
+    server.stop(timeout=20)
+    assert sp._group_members(pgid) == []
