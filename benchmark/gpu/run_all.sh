@@ -41,6 +41,7 @@
 #   capacity  8B shape, 32K in / 2K out: largest resident batch, dense vs SnapKV(2048)   ~7 min
 #   capacity393k  the same at a 393,216-token pool: SnapKV (batch 89), then dense over 16/32 splits ~9.5 min
 #   capacity393k-rkv  R-KV (166 resident) then dense (16 splits) at the 393,216 pool, through bg.sh (~20 min, est.)
+#   capacity393k-rkv-h100  the same on an H100 (--mem-fraction-static 0.92, graphs for each own batch only)
 #   capacity-eviction  R-KV, SnapKV and dense (16 splits) at a 98,304-token pool               ~6 min
 #   capacity-kvzip  KVzip's kernel test, then KVzip (probe at 32K: 65K rows while it runs), dense
 #                   (16 / 64 splits), SnapKV, 98,304 pool (~8 min, est.)
@@ -260,6 +261,12 @@ print(tuning.config_name(torch.cuda.get_device_name()))')
         --prompt-len 32768 --output-len 2048 --methods rkv dense --tune dense --kv-splits 16 \
         --timeout 2400 --out "$OUT/long_capacity_32k_393k_rkv.json" \
         -- --cuda-graph-bs-decode 1 2 4 8 11 16 32 64 128 166 2>&1 | tee "$OUT/$stage.txt" ;;
+    capacity393k-rkv-h100)  # the same on an 80 GB card: 393,216 tokens (54 GiB) next to the 8B weights (15.3 GiB)
+      # need --mem-fraction-static 0.92 there (0.80 fits an H200); decode graphs for each one's own batch only
+      python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 393216 \
+        --prompt-len 32768 --output-len 2048 --methods rkv dense --tune dense --kv-splits 16 \
+        --timeout 2400 --graphs-own-batch --out "$OUT/long_capacity_32k_393k_rkv_h100.json" \
+        -- --mem-fraction-static 0.92 2>&1 | tee "$OUT/$stage.txt" ;;
     tests-skipkv)
       gpu_tests "$stage" test/test_gpu_server.py -k "online and skipkv" ;;
     capacity-eviction)  # issue 16: R-KV next to SnapKV and dense at a 98,304-token pool, one run
