@@ -41,6 +41,8 @@
 #   capacity  8B shape, 32K in / 2K out: largest resident batch, dense vs SnapKV(2048)   ~7 min
 #   capacity393k  the same at a 393,216-token pool: SnapKV (batch 89), then dense over 16/32 splits ~9.5 min
 #   capacity393k-rkv  R-KV (166 resident) then dense (16 splits) at the 393,216 pool, through bg.sh (~20 min, est.)
+#   capacity-rkv-step  R-KV's decode step at those rows per request, 4K prompts (179 resident, ~3 min, est.)
+#   tests-decode-scores  the decode scoring kernel at R-KV's capacity shape; H2O / R-KV graph == eager (~5 min, est.)
 #   capacity393k-rkv-h100  the same on an H100 (--mem-fraction-static 0.92, graphs for each own batch only)
 #   capacity-eviction  R-KV, SnapKV and dense (16 splits) at a 98,304-token pool               ~6 min
 #   capacity-kvzip  KVzip's kernel test, then KVzip (probe at 32K: 65K rows while it runs), dense
@@ -168,6 +170,15 @@ for stage in "$@"; do
       gpu_tests "$stage" test/test_gpu_server.py -k "torch_compile" ;;
     tests-online)
       gpu_tests "$stage" test/test_gpu_server.py -k "online" ;;
+    tests-decode-scores)  # the decode-step scoring kernel (H2O / R-KV / SkipKV) at R-KV's capacity shape, timed
+      # next to the torch path it replaces; then H2O's and R-KV's graph decode == eager through the server
+      gpu_tests "$stage-kernel" -s test/test_decode_scores_kernel.py
+      gpu_tests "$stage" test/test_gpu_server.py -k "online and (h2o or rkv)" ;;
+    capacity-rkv-step)  # R-KV's decode step at capacity393k-rkv's rows per request (budget 2,048 + interval 128)
+      # with 4K prompts instead of 32K, so 179 fill the 393,216 pool in ~1 min of prefill (0.92: an 80 GB card)
+      timeout 420 python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 393216 \
+        --prompt-len 4096 --output-len 2048 --methods rkv --graphs-own-batch --timeout 300 \
+        --out "$OUT/long_capacity_4k_393k_rkv_step.json" -- --mem-fraction-static 0.92 2>&1 | tee "$OUT/$stage.txt" ;;
     tests-compile-quest)  # start_server allows 400 s; the whole stage is cut at 420 s
       timeout 420 python3 -m pytest -q -m gpu -rA test/test_gpu_server.py \
         -k "torch_compile and quest" 2>&1 | tail -40 | tee "$OUT/gpu_$stage.txt" ;;

@@ -20,7 +20,7 @@ Memory: ``4 * num_layers * num_slots * kv_heads`` bytes besides the pool (SmolLM
 from __future__ import annotations
 
 import torch
-from sgl_kernel_sparse import attention_sums, token_logits
+from sgl_kernel_sparse import attention_sums, decode_attention_add
 
 from sglang_sparse.core.events import DecodeBatch, LayerInput
 
@@ -57,23 +57,10 @@ class SlotScores:
         (the method guarantees ``n_rows <= width`` at a decode step). Padding entries of a
         captured batch write slot 0 (SGLang's dummy slot, never a token's): they add nothing.
         ``weight [B]`` scales each query's contribution (R-KV counts only its buffer)."""
-        scores = self.t[batch.layer_id]  # [S, Hkv]
         table = batch.table[:, : min(width, batch.table.shape[1])]
-        req_rows = batch.req_rows.long()
-        logits = token_logits(batch.q, batch.k_cache, table, req_rows, batch.n_rows)  # [B, Hq, W], -inf past n_rows
-        b, hq, w = logits.shape
-        hkv = scores.shape[1]
-        self.group = hq // hkv
-        probs = logits.softmax(dim=-1).view(b, hkv, hq // hkv, w).sum(dim=2)  # [B, Hkv, W]
-        live = (batch.slots != 0).to(probs.dtype)
-        if weight is not None:
-            live = live * weight.to(probs.dtype)
-        probs = probs * live.view(b, 1, 1)
-        scores.index_fill_(0, batch.slots.long(), 0.0)  # this token's row starts at zero, then counts itself
-        slots = table[req_rows].long()  # [B, W]; entries past n_rows carry probability 0
-        heads = torch.arange(hkv, device=scores.device).view(1, hkv, 1)
-        flat = slots.unsqueeze(1) * hkv + heads  # [B, Hkv, W]: index into scores viewed as [S * Hkv]
-        scores.view(-1).scatter_add_(0, flat.reshape(-1), probs.reshape(-1))
+        self.group = batch.q.shape[1] // self.t.shape[2]
+        decode_attention_add(self.t[batch.layer_id], batch.q, batch.k_cache, table, batch.req_rows, batch.n_rows,
+                             batch.slots, weight)
 
     def rows(self, slots: torch.Tensor) -> torch.Tensor:
         """Scores of a request's rows ``[0, n)`` in row order: ``[layers, Hkv, n]`` (a copy)."""

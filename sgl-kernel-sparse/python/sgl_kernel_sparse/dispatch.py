@@ -164,6 +164,17 @@ def attention_sums(q, keys, q_rows, scale=None, weights=None, **triton_kwargs):
     return eviction_scores.attention_sums(q, keys, q_rows, scale=scale, weights=weights)
 
 
+def decode_attention_add(scores, q, k_cache, req_to_token, req_rows, n_rows, new_slots, weight=None, scale=None,
+                         **triton_kwargs):
+    """``eviction_scores.decode_attention_add`` (in place: a decode step's attention added to the
+    per-slot scores of one layer): on CUDA the Triton kernel (``triton_decode_scores``: queries of
+    weight 0 read nothing; no ``[B, Hq, W]`` softmax in torch, no atomics), elsewhere the reference."""
+    args = (scores, q, k_cache, req_to_token, req_rows, n_rows, new_slots)
+    if use_triton(*args):
+        return _triton_ops().decode_attention_add(*args, weight=weight, scale=scale, **triton_kwargs)
+    return eviction_scores.decode_attention_add(*args, weight=weight, scale=scale)
+
+
 # Other selections stay in torch on every device (stable sorts: ties -> lower index).
 snapkv_select = reference.snapkv_select
 stable_topk = reference.stable_topk

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sgl_kernel_sparse.reference import _scale, stable_topk
+from sgl_kernel_sparse.reference import _scale, stable_topk, token_logits
 
 
 def attention_sums(q, keys, q_rows, scale=None, weights=None, block=None):
@@ -36,6 +36,30 @@ def attention_sums(q, keys, q_rows, scale=None, weights=None, block=None):
             probs = probs * weights[lo: lo + block].to(probs).view(1, -1, 1)
         out += probs.sum(dim=1).view(hkv, hq // hkv, n).sum(dim=1)
     return out
+
+
+def decode_attention_add(scores, q, k_cache, req_to_token, req_rows, n_rows, new_slots, weight=None, scale=None):
+    """In place, one decode step of one layer: ``scores [S, Hkv]`` (fp32, one per pool slot and
+    KV head) gets each decode query's softmax attention over its request's rows ``[0, n_rows[b])``
+    (row j at slot ``req_to_token[req_rows[b], j]``; the width of ``req_to_token`` bounds the rows),
+    summed over the query heads of each KV head's group and scaled by ``weight[b]`` (default 1).
+    First every query's own slot ``new_slots[b]`` is zeroed (a new token's score starts at zero,
+    then counts its own attention). Entries with ``new_slots[b] == 0`` (SGLang's dummy slot: the
+    padding of a captured batch) add nothing. ``q [B, Hq, D]``, ``k_cache [S, Hkv, D]``."""
+    b, hq, _ = q.shape
+    hkv = scores.shape[1]
+    scores.index_fill_(0, new_slots.long(), 0.0)
+    logits = token_logits(q, k_cache, req_to_token, req_rows, n_rows, scale)  # [B, Hq, W], -inf past n_rows
+    w = logits.shape[2]
+    probs = logits.softmax(dim=-1).view(b, hkv, hq // hkv, w).sum(dim=2)  # [B, Hkv, W]
+    live = (new_slots != 0).to(probs.dtype)
+    if weight is not None:
+        live = live * weight.to(probs.dtype)
+    probs = torch.nan_to_num(probs * live.view(b, 1, 1))  # a query with no rows: 0, not NaN
+    slots = req_to_token[req_rows.long()].long()  # [B, W]; entries past n_rows carry probability 0
+    heads = torch.arange(hkv, device=scores.device).view(1, hkv, 1)
+    flat = slots.unsqueeze(1) * hkv + heads  # [B, Hkv, W]: index into scores viewed as [S * Hkv]
+    scores.view(-1).scatter_add_(0, flat.reshape(-1), probs.reshape(-1))
 
 
 def h2o_select(scores, budget, recent):

@@ -4,6 +4,7 @@ from .triton_attn_sums import attention_sums
 from .triton_cells import cells_decode_attention
 from .triton_compact import compact_kv
 from .triton_decode import paged_sparse_decode_attention, sparse_decode_attention
+from .triton_decode_scores import decode_attention_add
 from .triton_kvzip import kvzip_probe_scores
 from .triton_paged_gqa import paged_gqa_decode_attention
 from .triton_omnikv import rows_tail_decode_attention, token_logits
@@ -15,6 +16,7 @@ __all__ = [
     "attention_sums",
     "cells_decode_attention",
     "compact_kv",
+    "decode_attention_add",
     "kvzip_probe_scores",
     "paged_gqa_decode_attention",
     "paged_sparse_decode_attention",
