@@ -12,7 +12,8 @@ request's rows, one row, several key tiles, and the refusals. Scores start non-z
 slot's zeroing and the add on top of what was there are both checked. Also CPU: the kernel
 compiled for sm_90 without a GPU. GPU (``-m gpu``): the compiled kernel at R-KV's capacity shape
 (166 requests x 2,176 rows, 32 / 8 heads, d 128) against the reference, with every query counted
-(H2O) and with 8 of every 128 counted (R-KV), and both timed (printed, not asserted).
+(H2O) and with 8 of every 128 counted (R-KV), timed next to the reference and the torch path it
+replaced (printed, not asserted).
 """
 
 from __future__ import annotations
@@ -205,13 +206,29 @@ def _capacity_batch(dtype, counted_every):
     return scores, args, weight
 
 
+def _before_the_kernel(scores, q, k_cache, req_to_token, req_rows, n_rows, new_slots, weight=None):
+    """What ``SlotScores.add_decode`` ran on a GPU before this kernel (2026-12-06): OmniKV's Triton
+    ``token_logits``, then the softmax, the group sum and a ``scatter_add_`` in torch."""
+    b, hq, _ = q.shape
+    hkv = scores.shape[1]
+    logits = dispatch.token_logits(q, k_cache, req_to_token, req_rows, n_rows)
+    probs = logits.softmax(dim=-1).view(b, hkv, hq // hkv, -1).sum(dim=2)
+    probs = probs * ((new_slots != 0).to(probs.dtype) * weight.to(probs.dtype)).view(b, 1, 1)
+    scores.index_fill_(0, new_slots.long(), 0.0)
+    flat = req_to_token[req_rows.long()].long().unsqueeze(1) * hkv + torch.arange(hkv, device=q.device).view(1, hkv, 1)
+    scores.view(-1).scatter_add_(0, flat.reshape(-1), probs.reshape(-1))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("counted_every", [1, 16])
 def test_gpu_decode_attention_add(counted_every):
+    """The kernel equals the reference at the capacity shape; timed next to the reference and to
+    the torch path it replaced (per layer; an 8B-shape step runs 36)."""
     scores, args, weight = _capacity_batch(torch.bfloat16, counted_every)
     cuda = {k: v.cuda() for k, v in args.items()}
     timings, outs = {}, {}
-    for name, fn in [("reference", eviction_scores.decode_attention_add), ("triton", dispatch.decode_attention_add)]:
+    for name, fn in [("reference", eviction_scores.decode_attention_add), ("before", _before_the_kernel),
+                     ("triton", dispatch.decode_attention_add)]:
         out = scores.cuda()
         fn(out.clone(), **cuda, weight=weight.cuda())
         torch.cuda.synchronize()
@@ -223,8 +240,10 @@ def test_gpu_decode_attention_add(counted_every):
         fn(out, **cuda, weight=weight.cuda())
         outs[name] = out.cpu()
     print(f"decode_attention_add 166 x ~2.1K rows, one query in {counted_every} counted: "
-          f"reference {timings['reference']:.3f} ms, triton {timings['triton']:.3f} ms (one layer)")
+          f"plain-torch reference {timings['reference']:.3f} ms, before (Triton logits + torch) "
+          f"{timings['before']:.3f} ms, kernel {timings['triton']:.3f} ms (one layer)")
     close(outs["triton"], outs["reference"], torch.bfloat16, f"one in {counted_every}")
+    close(outs["before"], outs["reference"], torch.bfloat16, f"before, one in {counted_every}")
 
 
 if __name__ == "__main__" and "--interp" in sys.argv:
