@@ -42,6 +42,7 @@
 #   capacity393k  the same at a 393,216-token pool: SnapKV (batch 89), then dense over 16/32 splits ~9.5 min
 #   capacity393k-rkv  R-KV (166 resident) then dense (16 splits) at the 393,216 pool, through bg.sh (~20 min, est.)
 #   capacity-rkv-step  R-KV's decode step at those rows per request, 4K prompts (179 resident, ~3 min, est.)
+#   profile-rkv-step  R-KV's decode step at those rows, kernel by kernel (batch 179, 4K prompts; ~3 min, est.)
 #   tests-decode-scores  the decode scoring kernel at R-KV's capacity shape; H2O / R-KV graph == eager (~5 min, est.)
 #   capacity393k-rkv-h100  the same on an H100 (--mem-fraction-static 0.92, graphs for each own batch only)
 #   capacity-eviction  R-KV, SnapKV and dense (16 splits) at a 98,304-token pool               ~6 min
@@ -179,6 +180,14 @@ for stage in "$@"; do
       timeout 420 python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 393216 \
         --prompt-len 4096 --output-len 2048 --methods rkv --graphs-own-batch --timeout 300 \
         --out "$OUT/long_capacity_4k_393k_rkv_step.json" -- --mem-fraction-static 0.92 2>&1 | tee "$OUT/$stage.txt" ;;
+    profile-rkv-step)  # where R-KV's decode step goes at capacity393k-rkv's rows per request: batch 179, 4K
+      # prompts, the 393,216-token pool (0.92: an 80 GB card), with the decode scoring kernel (~3 min, est.)
+      timeout 420 python3 benchmark/profile_decode.py --model-path "$M8" --variants rkv --batch 179 \
+        --prompt-len 4096 --steps 20 --warmup-tokens 16 --max-total-tokens 393216 --start-timeout 300 \
+        --variant-flags rkv="--sparse-method rkv --sparse-budget 2048 --sparse-interval 128 --chain-cache off" \
+        --out "$OUT/profile_rkv_step_b179.json" -- --load-format dummy --attention-backend triton \
+        --sampling-backend pytorch --mem-fraction-static 0.92 --cuda-graph-backend-prefill disabled \
+        --cuda-graph-bs-decode 179 --context-length 6208 2>&1 | tee "$OUT/$stage.txt" ;;
     tests-compile-quest)  # start_server allows 400 s; the whole stage is cut at 420 s
       timeout 420 python3 -m pytest -q -m gpu -rA test/test_gpu_server.py \
         -k "torch_compile and quest" 2>&1 | tail -40 | tee "$OUT/gpu_$stage.txt" ;;
