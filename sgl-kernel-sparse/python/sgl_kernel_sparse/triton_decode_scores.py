@@ -29,23 +29,19 @@ import triton
 import triton.language as tl
 
 from .triton_common import check_device, check_gqa, check_rows, check_table, pow2
-from .triton_decode import LOG2E, _softmax_weights, _split_share
+from .triton_decode import LOG2E, _group_program, _softmax_weights, _split_share
 from .triton_kivi import plan_tiles
 
 
 @triton.jit
-def _rows_of(REQ_ROWS, N_ROWS, NEW_SLOTS, WEIGHT, W, HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Program (b, g, s): ``(b, g, s, n_split, req, weight, start, stop)``, its rows ``[start, stop)``
-    (none when the query adds nothing)."""
-    b = tl.program_id(0)
-    g = tl.program_id(1)
-    s = tl.program_id(2)
-    n_split = tl.num_programs(2)
+def _rows_of(b, s, n_split, N_ROWS, NEW_SLOTS, WEIGHT, W, HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (b, ., s): ``(weight, start, stop)``, its rows ``[start, stop)`` (none when the query
+    adds nothing)."""
     w = tl.load(WEIGHT + b).to(tl.float32) if HAS_WEIGHT else 1.0
     counts = (tl.load(NEW_SLOTS + b) != 0) & (w != 0.0)
     n = tl.where(counts, tl.minimum(tl.load(N_ROWS + b).to(tl.int64), W), 0)
     start, stop = _split_share(n, s, n_split, BLOCK_N)
-    return b, g, s, n_split, tl.load(REQ_ROWS + b).to(tl.int64), w, start, stop
+    return w, start, stop
 
 
 @triton.jit
@@ -55,13 +51,8 @@ def _scores_logits_kernel(
     HAS_WEIGHT: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr,
     DOT16: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    b, g, s, n_split, req, w, start, stop = _rows_of(REQ_ROWS, N_ROWS, NEW_SLOTS, WEIGHT, W, HAS_WEIGHT, BLOCK_N)
-    hq = tl.num_programs(1) * GROUP
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
-    hh = tl.arange(0, BLOCK_H)
-    hmask = hh < GROUP
-    heads = g * GROUP + hh
+    b, g, s, n_split, hq, req, d, dmask, hmask, heads = _group_program(REQ_ROWS, GROUP, BLOCK_H, D, BLOCK_D)
+    w, start, stop = _rows_of(b, s, n_split, N_ROWS, NEW_SLOTS, WEIGHT, W, HAS_WEIGHT, BLOCK_N)
     q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0)
     qd = q.to(Q.dtype.element_ty if DOT16 else tl.float32)
     scratch = SCRATCH + (b * hq + heads).to(tl.int64)[:, None] * W  # [BLOCK_H, 1]: each head's logits row
@@ -88,7 +79,12 @@ def _scores_add_kernel(
     HAS_WEIGHT: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    b, g, s, n_split, req, w, start, stop = _rows_of(REQ_ROWS, N_ROWS, NEW_SLOTS, WEIGHT, W, HAS_WEIGHT, BLOCK_N)
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    s = tl.program_id(2)
+    n_split = tl.num_programs(2)
+    w, start, stop = _rows_of(b, s, n_split, N_ROWS, NEW_SLOTS, WEIGHT, W, HAS_WEIGHT, BLOCK_N)
+    req = tl.load(REQ_ROWS + b).to(tl.int64)
     hq = tl.num_programs(1) * GROUP
     hh = tl.arange(0, BLOCK_H)
     hmask = hh < GROUP
