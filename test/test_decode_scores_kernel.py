@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -37,7 +36,7 @@ from sgl_kernel_sparse import dispatch, eviction_scores  # noqa: E402
 from interpreter_cases import compile_report_rows, interpreter_test, report, run_cases  # noqa: E402
 
 
-def step_inputs(n_rows, hq, hkv, d, dtype, seed, width=None, pad=0, slots=None):
+def step_inputs(n_rows, hq, hkv, d, dtype, seed, width=None, pad=0):
     """A decode batch: request b has ``n_rows[b]`` rows at distinct, scattered pool slots (never
     slot 0), its own table row (the table has spare rows; request b uses row ``2 b + 1``), the
     query of its last row. ``pad`` padding entries follow (slot 0, one row, as a captured batch
@@ -207,7 +206,7 @@ def test_kernel_compiles_for_sm90_without_spills(tmp_path):
 
 def _capacity_batch(dtype, counted_every):
     """R-KV at issue 15's capacity point: 166 requests of 2,048..2,176 rows, an 8B-shape layer
-    (32 / 8 heads, d 128), in a pool of 400K slots; ``counted_every``: one query in that many
+    (32 / 8 heads, d 128), in a pool of ~350K slots; ``counted_every``: one query in that many
     counts (1: H2O; 16: R-KV's 8 buffered queries of every 128)."""
     g = torch.Generator().manual_seed(11)
     n_rows = (2048 + torch.randint(0, 128, (166,), generator=g)).tolist()
