@@ -44,7 +44,7 @@
 #   capacity-rkv-step  R-KV's decode step at those rows per request, 4K prompts (179 resident, ~3 min, est.)
 #   profile-rkv-step  R-KV's decode step at those rows, kernel by kernel (batch 179, 4K prompts; ~3 min, est.)
 #   tests-decode-scores  the decode scoring kernel at R-KV's capacity shape; H2O / R-KV graph == eager (~5 min, est.)
-#   capacity393k-rkv-h100  the same on an H100 (--mem-fraction-static 0.92, graphs for each own batch only)
+#   capacity393k-rkv-h100  the same on an H100 (--mem-fraction-static 0.92, graphs for each own batch only; dense at 16 / 32 splits, ~15 min)
 #   capacity-eviction  R-KV, SnapKV and dense (16 splits) at a 98,304-token pool               ~6 min
 #   capacity-kvzip  KVzip's kernel test, then KVzip (probe at 32K: 65K rows while it runs), dense
 #                   (16 / 64 splits), SnapKV, 98,304 pool (~8 min, est.)
@@ -282,9 +282,10 @@ print(tuning.config_name(torch.cuda.get_device_name()))')
         --timeout 2400 --out "$OUT/long_capacity_32k_393k_rkv.json" \
         -- --cuda-graph-bs-decode 1 2 4 8 11 16 32 64 128 166 2>&1 | tee "$OUT/$stage.txt" ;;
     capacity393k-rkv-h100)  # the same on an 80 GB card: 393,216 tokens (54 GiB) next to the 8B weights (15.3 GiB)
-      # need --mem-fraction-static 0.92 there (0.80 fits an H200); decode graphs for each one's own batch only
+      # need --mem-fraction-static 0.92 there (0.80 fits an H200); decode graphs for each one's own batch only;
+      # dense swept over 16 / 32 splits (its two best on the H200), ~15 min through bg.sh
       python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 393216 \
-        --prompt-len 32768 --output-len 2048 --methods rkv dense --tune dense --kv-splits 16 \
+        --prompt-len 32768 --output-len 2048 --methods rkv dense --tune dense --kv-splits 16 32 \
         --timeout 2400 --graphs-own-batch --out "$OUT/long_capacity_32k_393k_rkv_h100.json" \
         -- --mem-fraction-static 0.92 2>&1 | tee "$OUT/$stage.txt" ;;
     tests-skipkv)
