@@ -454,6 +454,21 @@ def server_extra(args, splits: int | None, batches: list[int]) -> list[str]:
     return extra
 
 
+def split_sweep(name: str, args) -> list:
+    """The --triton-attention-num-kv-splits values ``name`` runs at: its own ``--kv-splits-for``
+    list, else ``--kv-splits`` if it is tuned, else ``[None]`` (SGLang's default, no flag)."""
+    own = {}
+    for item in args.kv_splits_for:
+        method, _, values = item.partition("=")
+        try:
+            own[method] = [int(v) for v in values.split(",")]
+        except ValueError:
+            raise SystemExit(f"--kv-splits-for {item!r}: expected METHOD=N[,N...], e.g. rkv=4 or rkv=4,8") from None
+    if name in own:
+        return own[name]
+    return args.kv_splits if name in args.tune and args.kv_splits else [None]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("experiment", choices=["capacity", "matched"])
@@ -479,6 +494,9 @@ def main() -> None:
                     help="variants swept over --kv-splits (best kept per batch)")
     ap.add_argument("--kv-splits", type=int, nargs="*", default=[],
                     help="values of --triton-attention-num-kv-splits for the --tune variants (none: SGLang's default)")
+    ap.add_argument("--kv-splits-for", nargs="*", default=[], metavar="METHOD=N[,N...]",
+                    help="a variant's own split values (a sweep if several), instead of --kv-splits: e.g. rkv=4 "
+                         "runs R-KV at the count a cheaper run found best while dense sweeps --kv-splits")
     for key, val in RETRO.items():
         ap.add_argument(f"--retro-{key.replace('_', '-')}", type=int, default=val, help=f"RetroInfer's --sparse-{key}")
     argv = sys.argv[1:]
@@ -499,7 +517,7 @@ def main() -> None:
     for name in methods:
         batches = [capacity_batch(name, args)] if args.experiment == "capacity" else args.batches
         prompts = make_prompts(max(batches), args.prompt_len)
-        sweep = args.kv_splits if name in args.tune and args.kv_splits else [None]
+        sweep = split_sweep(name, args)
         runs = {}
         for splits in sweep:  # results after every server: a run stopped early keeps them
             extra = server_extra(args, splits, batches)

@@ -29,6 +29,23 @@ def test_pick_best_keeps_the_fastest_split_per_batch_and_the_whole_sweep():
     assert best["kv"] == {"kv_bytes_per_token": 2}
 
 
+def test_a_variants_own_split_values_replace_the_shared_sweep():
+    args = type("A", (), {"tune": ["dense"], "kv_splits": [16, 32], "kv_splits_for": ["rkv=4", "quest=8,16"]})()
+    assert B.split_sweep("dense", args) == [16, 32]
+    assert B.split_sweep("rkv", args) == [4]  # not tuned, but its own value is passed
+    assert B.split_sweep("quest", args) == [8, 16]
+    assert B.split_sweep("snapkv", args) == [None]  # SGLang's default: no flag
+    args.tune = ["dense", "rkv"]
+    assert B.split_sweep("rkv", args) == [4]  # its own list wins over the shared sweep
+    args.kv_splits_for = ["rkv=four"]
+    try:
+        B.split_sweep("rkv", args)
+    except SystemExit as e:
+        assert "rkv=four" in str(e) and "METHOD=N" in str(e)
+    else:
+        raise AssertionError("a malformed --kv-splits-for passed")
+
+
 class _Args:
     pool, prompt_len, output_len, budget = 49152, 32768, 2048, 2048
 

@@ -42,6 +42,8 @@
 #   capacity393k  the same at a 393,216-token pool: SnapKV (batch 89), then dense over 16/32 splits ~9.5 min
 #   capacity393k-rkv  R-KV (166 resident) then dense (16 splits) at the 393,216 pool, through bg.sh (~20 min, est.)
 #   capacity-rkv-step  R-KV's decode step at those rows per request, 4K prompts (179 resident, ~3 min, est.)
+#   capacity-rkv-step-splits  the same over R-KV's own kv splits 2 / 4 / 8 (~8 min, est.; the best goes to
+#                   capacity393k-rkv-h100 as RKV_SPLITS=N, which otherwise runs R-KV at SGLang's default 8)
 #   profile-rkv-step  R-KV's decode step at those rows, kernel by kernel (batch 179, 4K prompts; ~3 min, est.)
 #   tests-decode-scores  the decode scoring kernel at R-KV's capacity shape; H2O / R-KV graph == eager (~5 min, est.)
 #   capacity393k-rkv-h100  the same on an H100 (--mem-fraction-static 0.92, graphs for each own batch only; dense at 16 / 32 splits, ~15 min)
@@ -180,6 +182,12 @@ for stage in "$@"; do
       timeout 420 python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 393216 \
         --prompt-len 4096 --output-len 2048 --methods rkv --graphs-own-batch --timeout 300 \
         --out "$OUT/long_capacity_4k_393k_rkv_step.json" -- --mem-fraction-static 0.92 2>&1 | tee "$OUT/$stage.txt" ;;
+    capacity-rkv-step-splits)  # capacity-rkv-step over R-KV's own kv-split cap 2 / 4 / 8 (8: SGLang's default, what every
+      # R-KV capacity row so far ran at; SGLang picks each request's splits up to the cap from the batch and
+      # lengths, so the cap may matter little at 179 x ~2.1K rows: this measures it) (~8 min, est.)
+      timeout 560 python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 393216 \
+        --prompt-len 4096 --output-len 2048 --methods rkv --kv-splits-for rkv=2,4,8 --graphs-own-batch --timeout 300 \
+        --out "$OUT/long_capacity_4k_393k_rkv_step_splits.json" -- --mem-fraction-static 0.92 2>&1 | tee "$OUT/$stage.txt" ;;
     profile-rkv-step)  # where R-KV's decode step goes at capacity393k-rkv's rows per request: batch 179, 4K
       # prompts, the 393,216-token pool (0.92: an 80 GB card), with the decode scoring kernel (~3 min, est.)
       timeout 420 python3 benchmark/profile_decode.py --model-path "$M8" --variants rkv --batch 179 \
@@ -286,6 +294,7 @@ print(tuning.config_name(torch.cuda.get_device_name()))')
       # dense swept over 16 / 32 splits (its two best on the H200), ~15 min through bg.sh
       python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 393216 \
         --prompt-len 32768 --output-len 2048 --methods rkv dense --tune dense --kv-splits 16 32 \
+        ${RKV_SPLITS:+--kv-splits-for rkv=$RKV_SPLITS} \
         --timeout 2400 --graphs-own-batch --out "$OUT/long_capacity_32k_393k_rkv_h100.json" \
         -- --mem-fraction-static 0.92 2>&1 | tee "$OUT/$stage.txt" ;;
     tests-skipkv)
