@@ -16,7 +16,10 @@ only the summary is kept:
   of its host ops: ``busy_source`` says which), so
   ``step_ms - gpu_busy_ms`` is time the GPU waited for the host;
 - ``kernels``: the kernels by total time per step (name, count per step, us per step);
-- ``cpu_ops``: the host-side ops and annotations by total time per step.
+- ``cpu_ops``: the host-side ops and annotations by total time per step;
+- ``idle_gaps_ms``: the longest stretches with no kernel running (a host-side spike, such as an
+  eviction planned at a safe point, shows as one long gap);
+- ``sparse_stats``: ``/sparse/stats``' steps, counters and timings at the end (sglang_sparse only).
 
 A per-step cost of the extension shows up as a kernel only one side runs (GPU) or as a longer
 ``step_ms`` at equal ``gpu_busy_ms`` (host). The table prints both servers side by side.
@@ -117,6 +120,17 @@ def union_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1000.0
 
 
+def idle_gaps_ms(intervals: list[tuple[float, float]], top: int = 10) -> list[float]:
+    """The longest stretches (ms) in which no kernel ran, longest first: where the device waited
+    for the host (e.g. an eviction's planning at a safe point shows as one long gap)."""
+    gaps, end = [], None
+    for a, b in sorted(intervals):
+        if end is not None and a > end:
+            gaps.append((a - end) / 1000.0)
+        end = b if end is None else max(end, b)
+    return sorted(gaps, reverse=True)[:top]
+
+
 def summarize(trace: dict, steps: int, top: int) -> dict:
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
@@ -143,6 +157,7 @@ def summarize(trace: dict, steps: int, top: int) -> dict:
         "steps": steps,
         "step_ms": (end - start) / 1000.0 / steps,
         "gpu_busy_ms": union_ms([(e["ts"], e["ts"] + e["dur"]) for e in kernels]) / steps,
+        "idle_gaps_ms": idle_gaps_ms([(e["ts"], e["ts"] + e["dur"]) for e in kernels]),
         "busy_source": "gpu kernels" if on_gpu else "cpu ops (no GPU kernel in the trace)",
         "kernels_per_step": len(kernels) / steps,
         "kernels": table(by_kernel),
@@ -190,6 +205,9 @@ def profile_one(name: str, flags: list[str], args) -> dict:
         for w in workers:
             w.join()
         summary = summarize(trace, args.steps, args.top)
+        st = requests.get(server.base_url + "/sparse/stats", timeout=60)  # plain SGLang: 404
+        if st.status_code == 200:  # e.g. timings_us.compaction_decode / counters.decode_compactions
+            summary["sparse_stats"] = {k: st.json().get(k) for k in ("steps", "counters", "timings_us")}
         # all requests decode together between the last first token and the first end
         window = min(d["end"] for d in done) - max(d["first"] for d in done)
         summary.update(ready_s=ready, module=module, variant_flags=own,

@@ -65,6 +65,8 @@ def test_profile_summary_per_step():
     assert s["kernels"][0]["name"] == "gemm"  # sorted by time
     assert {r["name"] for r in s["cpu_ops"]} == {"aten::mm", "cudaGraphLaunch"}
     assert s["busy_source"] == "gpu kernels"
+    assert s["idle_gaps_ms"] == [pytest.approx(0.4)]  # 600..1000; the overlap 400..500 is no gap
+    assert P.idle_gaps_ms([(0, 10), (30, 40), (100, 110), (5, 20)]) == [pytest.approx(0.06), pytest.approx(0.01)]
     cpu_only = P.summarize({"traceEvents": [_x("cpu_op", "aten::mm", 0, 50)]}, steps=1, top=10)
     assert cpu_only["busy_source"].startswith("cpu ops")  # a CPU server's figure is not called GPU time
 

@@ -216,3 +216,49 @@ def test_compact_rows_equals_compact_by_positions_and_refuses_rows_it_does_not_h
         b.compact_rows("r", torch.tensor([0, 2, 2]).expand(LAYERS, HKV, 3))
     with pytest.raises(ValueError, match=r"\[layers, kv_heads, B\]"):
         b.compact_rows("r", torch.arange(3).expand(HKV, 3))
+
+
+def test_compact_rows_many_equals_one_by_one():
+    """``CacheManager.compact_rows_many`` (a wave of decode evictions planned together) leaves
+    every request as ``compact_rows`` one at a time would: same KV, map and free slots; a request
+    already within the kept count is left alone; a bad plan refuses the batch before any move."""
+    def make():
+        store = TensorKVStore(LAYERS, 128, HKV, D)
+        cache = CacheManager(store, HKV)
+        g = torch.Generator().manual_seed(5)
+        for r, n in enumerate((20, 17, 9)):
+            store.alloc_rows(r, n)
+            cache.start(f"r{r}", r, n)
+            cache.on_written(f"r{r}", n)
+            for layer in range(LAYERS):
+                slots = store.row_slots(r, 0, n)
+                store.write(layer, slots, torch.randn(n, HKV, D, generator=g), torch.randn(n, HKV, D, generator=g))
+        # r0 first gets a per-head map, then 3 more rows: its positions are not its rows
+        cache.compact_rows("r0", torch.rand(LAYERS, HKV, 20, generator=g).argsort(-1)[..., :12].sort(-1).values)
+        store.alloc_rows(0, 3)
+        cache.on_written("r0", 3)
+        return store, cache
+
+    g = torch.Generator().manual_seed(6)
+    rows = torch.stack([torch.rand(LAYERS, HKV, 15, generator=g).argsort(-1)[..., :9].sort(-1).values,
+                        torch.rand(LAYERS, HKV, 17, generator=g).argsort(-1)[..., :9].sort(-1).values,
+                        torch.arange(9).expand(LAYERS, HKV, 9)])  # r2 holds 9 rows: nothing to drop
+    a_store, a = make()
+    b_store, b = make()
+    one_by_one = [a.compact_rows(f"r{i}", rows[i]) for i in range(3)]
+    assert b.compact_rows_many(["r0", "r1", "r2"], rows) == one_by_one == [15 - 9, 17 - 9, 0]
+    assert a_store.free_count() == b_store.free_count() and b.counters == a.counters
+    for i in range(3):
+        assert torch.equal(a.retained(f"r{i}").all_positions(), b.retained(f"r{i}").all_positions())
+        for layer in range(LAYERS):
+            assert torch.equal(a.keys(f"r{i}", layer), b.keys(f"r{i}", layer))
+            assert torch.equal(a.values(f"r{i}", layer), b.values(f"r{i}", layer))
+    _, c = make()
+    before = [c.keys("r1", layer).clone() for layer in range(LAYERS)]
+    bad = torch.stack([torch.arange(9).expand(LAYERS, HKV, 9), torch.arange(9, 18).expand(LAYERS, HKV, 9)])
+    with pytest.raises(IndexError, match="kept rows must lie in"):  # r1 holds 17 rows: row 17 is not one
+        c.compact_rows_many(["r0", "r1"], bad)
+    with pytest.raises(ValueError, match="strictly ascending"):
+        c.compact_rows_many(["r0", "r1"], torch.tensor([0, 2, 2]).expand(2, LAYERS, HKV, 3))
+    assert c.retained("r1").n_rows == 17 and c.retained("r0").n_rows == 15  # nothing compacted
+    assert all(torch.equal(before[layer], c.keys("r1", layer)) for layer in range(LAYERS))

@@ -284,3 +284,43 @@ def test_padding_entries_of_a_captured_batch_add_nothing(method, knobs):
 def test_bad_options_are_refused_with_a_sentence(method, knobs, message):
     with pytest.raises(ConfigError, match=message):
         build_config(method, knobs)
+
+
+@pytest.mark.parametrize("method,knobs", [("h2o", H2O), ("rkv", RKV)])
+def test_a_wave_of_decode_evictions_is_planned_together(method, knobs):
+    """Requests that decode in step reach their interval at the same step: their evictions are
+    planned together (``plan_many``, ``compact_rows_many``) and each keeps what it would alone
+    (the reference over its own tokens), with no slot lost."""
+    eng = ToyEngine(method, knobs)
+    runtime = eng.ctl.runtime
+    free0 = eng.store.free_count()
+    calls = []
+    plan_many = runtime.plan_many
+    runtime.plan_many = lambda rids: calls.append(list(rids)) or plan_many(rids)
+    prompt, rids = 40, ["a", "b", "c"]
+    q, k = {}, {}
+    for row, rid in enumerate(rids):
+        pq, pk, pv = qkv(prompt, seed=60 + row)
+        eng.prefill(rid, row, pq, pk, pv, chunk=prompt)
+        q[rid], k[rid] = pq, pk
+    for step in range(2 * knobs["interval"] + 1):
+        tq, tk, tv = zip(*(qkv(1, seed=1000 * (row + 1) + step) for row in range(len(rids))))
+        slices = [RequestSlice(rid, row, prompt + step, prompt + step + 1, eng.ctl.cache.retained(rid).n_rows, prompt)
+                  for row, rid in enumerate(rids)]
+        eng.run_step(StepMode.DECODE, slices, *[[torch.cat([t[layer] for t in x]) for layer in range(LAYERS)]
+                                                for x in (tq, tk, tv)])
+        for row, rid in enumerate(rids):
+            q[rid] = [torch.cat([a, b]) for a, b in zip(q[rid], tq[row])]
+            k[rid] = [torch.cat([a, b]) for a, b in zip(k[rid], tk[row])]
+    assert rids in calls  # at least one wave of all three in one plan_many call
+    held = 0
+    for rid in rids:
+        ret = eng.ctl.cache.retained(rid)
+        held += ret.n_rows
+        for layer in range(LAYERS):
+            want = simulate(method, knobs, q[rid][layer], k[rid][layer], [prompt], prompt, [2 * knobs["interval"] + 1])
+            assert torch.equal(ret.all_positions()[layer], want), (rid, layer)
+    assert eng.store.free_count() == free0 - held
+    for row, rid in enumerate(rids):
+        eng.finish(rid, row)
+    assert eng.store.free_count() == free0

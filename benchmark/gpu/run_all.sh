@@ -44,7 +44,10 @@
 #   capacity-rkv-step  R-KV's decode step at those rows per request, 4K prompts (179 resident, ~3 min, est.)
 #   capacity-rkv-step-splits  the same over R-KV's own kv splits 2 / 4 / 8 (~8 min, est.; the best goes to
 #                   capacity393k-rkv-h100 as RKV_SPLITS=N, which otherwise runs R-KV at SGLang's default 8)
-#   profile-rkv-step  R-KV's decode step at those rows, kernel by kernel (batch 179, 4K prompts; ~3 min, est.)
+#   profile-rkv-step  R-KV's decode steps at those rows, kernel by kernel, over its scored window and one decode
+#                   eviction (batch 179, 4K prompts; ~3 min, est.)
+#   profile-capacity-dense  dense's decode step at capacity393k's batch (11 x 32K, 16 splits), kernel by kernel
+#                   (~3 min, est.): the other side of profile-rkv-step
 #   tests-decode-scores  the decode scoring kernel at R-KV's capacity shape; H2O / R-KV graph == eager (~5 min, est.)
 #   capacity393k-rkv-h100  the same on an H100 (--mem-fraction-static 0.92, graphs for each own batch only; dense at 16 / 32 splits, ~15 min)
 #   capacity-eviction  R-KV, SnapKV and dense (16 splits) at a 98,304-token pool               ~6 min
@@ -189,13 +192,22 @@ for stage in "$@"; do
         --prompt-len 4096 --output-len 2048 --methods rkv --kv-splits-for rkv=2,4,8 --graphs-own-batch --timeout 300 \
         --out "$OUT/long_capacity_4k_393k_rkv_step_splits.json" -- --mem-fraction-static 0.92 2>&1 | tee "$OUT/$stage.txt" ;;
     profile-rkv-step)  # where R-KV's decode step goes at capacity393k-rkv's rows per request: batch 179, 4K
-      # prompts, the 393,216-token pool (0.92: an 80 GB card), with the decode scoring kernel (~3 min, est.)
+      # prompts, the 393,216-token pool (0.92: an 80 GB card), with the decode scoring kernel (~3 min, est.).
+      # Steps 118-134 of every request: its buffer's 8 scored queries (rows 2,168-2,175) and the decode
+      # eviction at 2,176 rows (all 179 at once: they decode in step)
       timeout 420 python3 benchmark/profile_decode.py --model-path "$M8" --variants rkv --batch 179 \
-        --prompt-len 4096 --steps 20 --warmup-tokens 16 --max-total-tokens 393216 --start-timeout 300 \
+        --prompt-len 4096 --steps 16 --warmup-tokens 118 --max-total-tokens 393216 --start-timeout 300 \
         --variant-flags rkv="--sparse-method rkv --sparse-budget 2048 --sparse-interval 128 --chain-cache off" \
         --out "$OUT/profile_rkv_step_b179.json" -- --load-format dummy --attention-backend triton \
         --sampling-backend pytorch --mem-fraction-static 0.92 --cuda-graph-backend-prefill disabled \
         --cuda-graph-bs-decode 179 --context-length 6208 2>&1 | tee "$OUT/$stage.txt" ;;
+    profile-capacity-dense)  # dense's decode step at capacity393k-rkv's dense batch: 11 requests of 32K, the
+      # 393,216-token pool (0.92: an 80 GB card), 16 kv splits (its best there) (~3 min, est.)
+      timeout 420 python3 benchmark/profile_decode.py --model-path "$M8" --variants dense --batch 11 \
+        --prompt-len 32768 --steps 20 --warmup-tokens 16 --max-total-tokens 393216 --start-timeout 300 \
+        --out "$OUT/profile_capacity_dense_b11.json" -- --load-format dummy --attention-backend triton \
+        --sampling-backend pytorch --mem-fraction-static 0.92 --cuda-graph-backend-prefill disabled \
+        --cuda-graph-bs-decode 11 --context-length 36864 --triton-attention-num-kv-splits 16 2>&1 | tee "$OUT/$stage.txt" ;;
     tests-compile-quest)  # start_server allows 400 s; the whole stage is cut at 420 s
       timeout 420 python3 -m pytest -q -m gpu -rA test/test_gpu_server.py \
         -k "torch_compile and quest" 2>&1 | tail -40 | tee "$OUT/gpu_$stage.txt" ;;
@@ -281,13 +293,15 @@ print(tuning.config_name(torch.cuda.get_device_name()))')
         --prompt-len 32768 --output-len 2048 --methods snapkv dense --tune dense --kv-splits 16 32 \
         --timeout 400 --out long_capacity_32k_393k.json \
         -- --cuda-graph-bs-decode 1 2 4 8 11 16 32 64 96 2>&1 | tee "$OUT/$stage.txt" ;;
-    capacity393k-rkv)  # issue 15's capacity at its pool with a method that also bounds its decoded rows:
+    capacity393k-rkv)  # issue 15's capacity at its pool with a method that also bounds its decoded rows.
+      # A 256-token window (warm-up 8): every request's buffer scoring (8 of every 128 tokens) and two of
+      # its decode evictions fall inside it, so R-KV's figure pays for them (a 32-token window saw neither).
       # R-KV holds at most budget + interval rows, so (393,216 - 32,768) // 2,176 + 1 = 166 requests resident
       # against dense's 11 (SnapKV compresses only the prompt: 89). 166 32K prefills at ~5-9 s each outlast one
       # call: run it through bg.sh (~20 min, est.). Dense at 16 splits, the best of capacity393k's sweep.
       python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 393216 \
         --prompt-len 32768 --output-len 2048 --methods rkv dense --tune dense --kv-splits 16 \
-        --timeout 2400 --out "$OUT/long_capacity_32k_393k_rkv.json" \
+        --timeout 2400 --window 256 --out "$OUT/long_capacity_32k_393k_rkv.json" \
         -- --cuda-graph-bs-decode 1 2 4 8 11 16 32 64 128 166 2>&1 | tee "$OUT/$stage.txt" ;;
     capacity393k-rkv-h100)  # the same on an 80 GB card: 393,216 tokens (54 GiB) next to the 8B weights (15.3 GiB)
       # need --mem-fraction-static 0.92 there (0.80 fits an H200); decode graphs for each one's own batch only;
@@ -295,7 +309,7 @@ print(tuning.config_name(torch.cuda.get_device_name()))')
       python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 393216 \
         --prompt-len 32768 --output-len 2048 --methods rkv dense --tune dense --kv-splits 16 32 \
         ${RKV_SPLITS:+--kv-splits-for rkv=$RKV_SPLITS} \
-        --timeout 2400 --graphs-own-batch --out "$OUT/long_capacity_32k_393k_rkv_h100.json" \
+        --timeout 2400 --window 256 --graphs-own-batch --out "$OUT/long_capacity_32k_393k_rkv_h100.json" \
         -- --mem-fraction-static 0.92 2>&1 | tee "$OUT/$stage.txt" ;;
     tests-skipkv)
       gpu_tests "$stage" test/test_gpu_server.py -k "online and skipkv" ;;

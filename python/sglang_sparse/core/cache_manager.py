@@ -130,6 +130,51 @@ class CacheManager:
             raise ValueError("kept rows must be strictly ascending per layer and KV head")
         return self._compact_rows(state, rows, ret.all_positions().gather(2, rows_cpu))
 
+    def compact_rows_many(self, rids: list[str], rows: torch.Tensor) -> list[int]:
+        """``compact_rows`` for several requests at one safe point, ``rows [R, layers, kv_heads,
+        B]`` (request i keeps ``rows[i]``): one check and one copy to the host for all of them, one
+        KV move per layer over all their rows (their slots are disjoint: a slot holds one row of
+        one request), one release to the allocator. Returns the slots freed per request."""
+        states = [self.requests[rid] for rid in rids]
+        if rows.dim() != 4 or rows.shape[0] != len(rids) or any(
+                tuple(rows.shape[1:3]) != (self.store.num_layers, s.retained.kv_heads) for s in states):
+            raise ValueError(f"kept rows must be [requests, layers, kv_heads, B] = [{len(rids)}, "
+                             f"{self.store.num_layers}, {self.kv_heads}, B], got {tuple(rows.shape)}")
+        budget = rows.shape[3]
+        todo = [i for i, s in enumerate(states) if budget < s.retained.n_rows]
+        if not todo:
+            return [0] * len(rids)
+        rows = rows[todo] if len(todo) < len(rids) else rows
+        n = torch.tensor([states[i].retained.n_rows for i in todo], device=rows.device).view(-1, 1, 1, 1)
+        # every check on the device, one read back (one request's refusal refuses the batch: a
+        # method's plan is wrong, nothing has moved yet)
+        bad = torch.stack([(rows < 0).any(), (rows >= n).any(), (rows.diff(dim=-1) <= 0).any()]).cpu()
+        if bool(bad[0]) or bool(bad[1]):
+            raise IndexError(f"kept rows must lie in [0, n_rows) of their request, got [{int(rows.min())}, "
+                             f"{int(rows.max())}]")
+        if bool(bad[2]):
+            raise ValueError("kept rows must be strictly ascending per layer and KV head")
+        rows_cpu = rows.cpu()
+        freed, got = [], [0] * len(rids)
+        src, dst = [], []
+        for j, i in enumerate(todo):
+            state = states[i]
+            slots = self._resident_slots(state)
+            src.append(slots[rows[j].to(slots.device)])  # [layers, heads, B]
+            dst.append(slots[:budget])
+            state.retained.keep(state.retained.all_positions().gather(2, rows_cpu[j]), owned=True)
+            self.store.truncate_rows(state.req_row, budget)
+            freed.append(slots[budget:])
+            got[i] = len(freed[-1])
+        src_all, dst_all = torch.cat(src, dim=2), torch.cat(dst)
+        for layer in range(self.store.num_layers):
+            # sources are read before any destination is written (a request's ranges overlap)
+            self.store.move_kv(layer, src_all[layer], dst_all)
+        self.store.free_slots(torch.cat(freed))
+        self.counters["compactions"] += len(todo)
+        self.counters["slots_released"] += sum(got)
+        return got
+
     def _compact_rows(self, state: RequestState, src_rows: torch.Tensor, keep: torch.Tensor) -> int:
         """Row i of layer l / KV head h takes the entry of row ``src_rows[l, h, i]`` (>= i), which
         holds logical position ``keep[l, h, i]``; rows ``[B, n_rows)`` are released."""

@@ -29,6 +29,11 @@ class KeptRows:
 
 class EvictingRuntime(SparseMethodRuntime):
     evicts_kv = True
+    # Requests one ``plan_many`` call plans together at a safe point (1: one by one). A method
+    # whose plans batch over requests (R-KV, H2O) sets more: its decode evictions come in waves
+    # (every request that reached its interval), and one plan per request costs each its own
+    # kernel launches and host round trips.
+    plan_batch = 1
 
     def __init__(self, cache, oracle=None) -> None:
         super().__init__(cache, oracle)
@@ -63,6 +68,11 @@ class EvictingRuntime(SparseMethodRuntime):
     def plan(self, rid: str) -> torch.Tensor | list[torch.Tensor] | KeptRows | None:
         raise NotImplementedError
 
+    def plan_many(self, rids: list[str]) -> list:
+        """The plans of up to ``plan_batch`` requests at one safe point, in order (default: ``plan``
+        each). Plans in rows of one shape are compacted together (``CacheManager.compact_rows_many``)."""
+        return [self.plan(rid) for rid in rids]
+
     def has_pending(self, rid: str) -> bool:
         return rid in self.pending
 
@@ -79,27 +89,45 @@ class EvictingRuntime(SparseMethodRuntime):
         if not self.pending:
             return 0
         t0 = time.perf_counter()
-        freed, waiting = 0, []
+        ready, waiting = [], []
         for rid in self.pending:
-            state = self.cache.requests.get(rid)
-            if state is None:  # gone: finished before its safe point
+            if rid not in self.cache.requests:  # gone: finished before its safe point
                 continue
-            if only is not None and rid not in only:
-                waiting.append(rid)
-                continue
-            t = time.perf_counter()
-            decoding = rid in self.pending_decode
-            keep = self.plan(rid)
-            if isinstance(keep, KeptRows):
-                got = self.cache.compact_rows(rid, keep.rows)  # counted in cache.counters
-            else:
-                got = self.cache.compact(rid, keep) if keep is not None else 0
-            freed += got
-            if got and decoding:
-                self.bump("decode_compactions")
-                self.add_time("compaction_decode", time.perf_counter() - t)
+            (waiting if only is not None and rid not in only else ready).append(rid)
+        freed = 0
+        # prompt compressions and decode evictions in batches of their own: their costs are
+        # reported apart, and a batch then holds requests of about one size
+        for decoding in (False, True):
+            group = [rid for rid in ready if (rid in self.pending_decode) == decoding]
+            for i in range(0, len(group), max(1, self.plan_batch)):
+                batch = group[i: i + max(1, self.plan_batch)]
+                t = time.perf_counter()
+                got = self._compact(batch, self.plan_many(batch))
+                freed += sum(got)
+                done = sum(1 for g in got if g)
+                if done and decoding:
+                    self.bump("decode_compactions", done)
+                    self.add_time("compaction_decode", time.perf_counter() - t)
         self.pending = waiting
         self.pending_decode.intersection_update(waiting)
         if freed:
             self.add_time("compaction", time.perf_counter() - t0)
         return freed
+
+    def _compact(self, rids: list[str], plans: list) -> list[int]:
+        """Slots freed per request: plans in rows of one shape together, the rest one by one."""
+        got = [0] * len(rids)
+        rows = [i for i, p in enumerate(plans) if isinstance(p, KeptRows)]
+        shapes = {tuple(plans[i].rows.shape) for i in rows}
+        if len(rows) > 1 and len(shapes) == 1:
+            together = self.cache.compact_rows_many([rids[i] for i in rows],
+                                                    torch.stack([plans[i].rows for i in rows]))
+            for i, g in zip(rows, together):
+                got[i] = g
+        for i, (rid, keep) in enumerate(zip(rids, plans)):
+            if isinstance(keep, KeptRows):
+                if not (len(rows) > 1 and len(shapes) == 1):
+                    got[i] = self.cache.compact_rows(rid, keep.rows)  # counted in cache.counters
+            elif keep is not None:
+                got[i] = self.cache.compact(rid, keep)
+        return got

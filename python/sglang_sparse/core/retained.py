@@ -135,14 +135,15 @@ class RetainedMap:
             return positions
         return torch.arange(self.n_rows).expand(self.num_layers, self.kv_heads, self.n_rows)
 
-    def keep(self, logical: torch.Tensor) -> None:
-        """After compaction: rows ``[0, k)`` hold ``logical`` (``[layers, heads, k]``, ascending)."""
+    def keep(self, logical: torch.Tensor, owned: bool = False) -> None:
+        """After compaction: rows ``[0, k)`` hold ``logical`` (``[layers, heads, k]``, ascending).
+        ``owned``: the caller hands over a fresh tensor nobody else holds (kept without a copy)."""
         if self.layer_kept is not None:
             raise ValueError("a per-layer retained map is compacted per layer (keep_layers)")
         if _token_uniform(logical):  # the same in every layer and head
             self.kept = logical[0, 0].clone().expand(logical.shape)
         else:
-            self.kept = logical.clone()
+            self.kept = logical if owned else logical.clone()
         self.n_rows = logical.shape[2]
 
     def keep_layers(self, logical: list[torch.Tensor], cells: list[torch.Tensor], engine_rows: int) -> None:

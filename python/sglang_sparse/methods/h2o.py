@@ -100,18 +100,34 @@ class H2ORuntime(AccumulatedAttentionHooks, EvictingRuntime):
         # while prefilling, at most budget + interval - 1 rows before a chunk (cap: budget + interval)
         super().__init__(cache, MemoryOracle.online(c.budget, c.interval, self.evict_prefill))
         self.scores = SlotScores(cache.store, cache.kv_heads)
+        self.plan_batch = max(1, 32768 // (c.budget + c.interval))  # a decode wave planned together
 
     def finish_step(self, step: StepInfo) -> None:
         self.schedule_over_budget(step, self.config.budget, self.config.interval, during_prefill=self.evict_prefill)
 
     def plan(self, rid: str) -> KeptRows | None:
-        ret = self.cache.requests[rid].retained
-        if ret.n_rows <= self.config.budget:
-            return None
-        slots = self.cache.resident_slots(rid)  # [n]: row i of every layer and head lives in slots[i]
-        scores = self.scores.rows(slots)  # [layers, Hkv, n]
-        rows = h2o_select(scores, self.config.budget, self.config.recent)  # [layers, Hkv, budget]
-        self.scores.put(slots, scores.gather(2, rows))  # kept rows' scores go where their KV goes
-        self.bump("evictions")
-        self.bump("rows_released", ret.n_rows - self.config.budget)
-        return KeptRows(rows)  # rows (ascending per head), not positions: no search back to rows
+        return self.plan_many([rid])[0]
+
+    def plan_many(self, rids: list[str]) -> list[KeptRows | None]:
+        """Requests holding the same number of rows (a decode wave: every one at ``budget +
+        interval``) are planned together: one gather of their scores, one ``h2o_select``."""
+        c = self.config
+        plans: list[KeptRows | None] = [None] * len(rids)
+        by_rows: dict[int, list[int]] = {}
+        for i, rid in enumerate(rids):
+            n = self.cache.requests[rid].retained.n_rows
+            if n > c.budget:
+                by_rows.setdefault(n, []).append(i)
+        for n, idx in by_rows.items():
+            # [R, n]: row i of every layer and head of request r lives in slots[r, i]
+            slots = torch.stack([self.cache.resident_slots(rids[i]) for i in idx])
+            scores = self.scores.rows(slots.flatten()).unflatten(2, (len(idx), n)).permute(2, 0, 1, 3)  # [R, L, Hkv, n]
+            rows = h2o_select(scores, c.budget, c.recent)  # [R, layers, Hkv, budget]
+            # kept rows' scores go where their KV goes: row i of request r to slots[r, i]
+            self.scores.put(slots[:, : c.budget].flatten(),
+                            scores.gather(3, rows).permute(1, 2, 0, 3).flatten(2))
+            for j, i in enumerate(idx):
+                plans[i] = KeptRows(rows[j])  # rows (ascending per head), not positions: no search back
+            self.bump("evictions", len(idx))
+            self.bump("rows_released", len(idx) * (n - c.budget))
+        return plans

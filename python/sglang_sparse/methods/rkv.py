@@ -80,6 +80,10 @@ class RKVRuntime(EvictingRuntime):
         super().__init__(cache, MemoryOracle.online(c.budget, c.interval))
         self.scores = SlotScores(cache.store, cache.kv_heads)  # the buffer's accumulated attention
         self.fire_at = c.budget + c.interval  # rows at which a decode eviction fires
+        # decode evictions come in waves (requests that started together reach budget + interval
+        # together): up to ~32K rows of them planned at once, so a layer's keys of the batch
+        # ([R, Hkv, n, D] in fp32, ~134 MB for the 8B shape) stay small next to the pool
+        self.plan_batch = max(1, 32768 // self.fire_at)
 
     def on_prefill_chunk(self, layer: LayerInput) -> None:
         c = self.config
@@ -104,17 +108,34 @@ class RKVRuntime(EvictingRuntime):
         self.schedule_over_budget(step, self.config.budget, self.config.interval)
 
     def plan(self, rid: str) -> KeptRows | None:
+        return self.plan_many([rid])[0]
+
+    def plan_many(self, rids: list[str]) -> list[KeptRows | None]:
+        """Requests holding the same number of rows are planned together (a decode wave: every
+        one at ``budget + interval``): one gather of their scores, and per layer one gather of
+        their keys and one ``rkv_select`` over ``[R, Hkv, n]``, instead of that per request."""
         c = self.config
-        ret = self.cache.requests[rid].retained
-        if ret.n_rows <= c.budget:
-            return None
-        slots = self.cache.resident_slots(rid)  # [n]: row i of every layer and head lives in slots[i]
-        importance = self.scores.rows(slots) / (c.window * self.scores.group)  # mean over buffer and group
-        keep = []
-        for layer in range(self.cache.store.num_layers):
-            keys = self.cache.store.k_buffer(layer)[slots.to(importance.device)].transpose(0, 1)  # [Hkv, n, d]
-            keep.append(rkv_select(importance[layer], keys, c.budget, c.window, c.alpha, c.kernel))
-        self.scores.clear(slots)  # the buffer starts over
-        self.bump("evictions")
-        self.bump("rows_released", ret.n_rows - c.budget)
-        return KeptRows(torch.stack(keep))  # [layers, Hkv, budget] rows, ascending per head
+        plans: list[KeptRows | None] = [None] * len(rids)
+        by_rows: dict[int, list[int]] = {}
+        for i, rid in enumerate(rids):
+            n = self.cache.requests[rid].retained.n_rows
+            if n > c.budget:
+                by_rows.setdefault(n, []).append(i)
+        for n, idx in by_rows.items():
+            # [R, n]: row i of every layer and head of request r lives in slots[r, i]
+            slots = torch.stack([self.cache.resident_slots(rids[i]) for i in idx])
+            dev = slots.to(self.scores.t.device)
+            # [L, R, n, Hkv] -> [R, L, Hkv, n]: mean over the buffer and the group
+            importance = self.scores.t[:, dev].permute(1, 0, 3, 2) / (c.window * self.scores.group)
+            keep = []
+            for layer in range(self.cache.store.num_layers):
+                keys = self.cache.store.k_buffer(layer)[slots.to(self.cache.store.k_buffer(layer).device)]
+                keep.append(rkv_select(importance[:, layer], keys.transpose(1, 2), c.budget, c.window, c.alpha,
+                                       c.kernel))  # [R, Hkv, budget] rows, ascending per head
+            self.scores.clear(slots.flatten())  # the buffer starts over
+            kept = torch.stack(keep, dim=1)  # [R, layers, Hkv, budget]
+            for j, i in enumerate(idx):
+                plans[i] = KeptRows(kept[j])
+            self.bump("evictions", len(idx))
+            self.bump("rows_released", len(idx) * (n - c.budget))
+        return plans

@@ -75,7 +75,7 @@ def h2o_select(scores, budget, recent):
 
 
 def rkv_redundancy(keys):
-    """R-KV's redundancy per row, ``keys [Hkv, n, D]`` -> ``[Hkv, n]``: the cosine similarity of
+    """R-KV's redundancy per row, ``keys [..., Hkv, n, D]`` -> ``[..., Hkv, n]``: the cosine similarity of
     each key to every other key of its head (self-similarity 0), averaged over the n rows, then a
     softmax over the rows (so it sums to 1 per head, on the scale of the importance).
 
@@ -85,30 +85,33 @@ def rkv_redundancy(keys):
     against the matrix form)."""
     n = keys.shape[-2]
     k = keys.float()
-    k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
-    total = k.sum(dim=-2, keepdim=True)  # [Hkv, 1, D]: the sum of every row's unit key
-    mean = ((k * total).sum(dim=-1) - (k * k).sum(dim=-1)) / n  # self-similarity left out
+    norm = k.norm(dim=-1)  # [..., Hkv, n]
+    inv = 1.0 / (norm + 1e-8)  # u_j = k_j * inv_j, never materialized (a batch of requests' keys is large)
+    total = torch.einsum("...n,...nd->...d", inv, k)  # [..., Hkv, D]: the sum of every row's unit key
+    dot = torch.einsum("...nd,...d->...n", k, total) * inv  # u_i . sum_j u_j
+    mean = (dot - (norm * inv) ** 2) / n  # self-similarity u_i . u_i left out
     return mean.softmax(dim=-1)
 
 
 def rkv_select(importance, keys, budget, window, alpha, kernel):
     """R-KV's kept rows of one layer: importance ``[Hkv, n]`` (mean attention of the buffered
-    queries), keys ``[Hkv, n, D]``. Rows ``[n - window, n)`` (the buffer's own tokens) are kept;
-    of rows ``[0, n - window)`` the top ``budget - window`` by
+    queries), keys ``[Hkv, n, D]``; or of several layers / requests at once, ``[..., Hkv, n]``
+    and ``[..., Hkv, n, D]`` (each row of the leading dims on its own). Rows ``[n - window, n)``
+    (the buffer's own tokens) are kept; of rows ``[0, n - window)`` the top ``budget - window`` by
     ``alpha * maxpool(importance) - (1 - alpha) * redundancy`` (max-pool of odd ``kernel``,
     stride 1, padding ``kernel // 2``; redundancy over all n rows, ``rkv_redundancy``), ties to
-    the lower row. ``n <= budget``: all. Returns ``[Hkv, min(n, budget)]`` ascending."""
-    hkv, n = importance.shape
+    the lower row. ``n <= budget``: all. Returns ``[..., Hkv, min(n, budget)]`` ascending."""
+    lead, n = importance.shape[:-1], importance.shape[-1]
     if n <= budget:
-        return torch.arange(n, device=importance.device).expand(hkv, n).clone()
+        return torch.arange(n, device=importance.device).expand(*lead, n).clone()
     cand = n - window
-    imp = importance[:, :cand].float()
-    if kernel > 1:
-        imp = F.max_pool1d(imp.unsqueeze(1), kernel, stride=1, padding=kernel // 2).squeeze(1)
-    score = alpha * imp - (1.0 - alpha) * rkv_redundancy(keys)[:, :cand]
+    imp = importance[..., :cand].float()
+    if kernel > 1:  # max_pool1d takes [N, C, L]: every leading row as its own sequence
+        imp = F.max_pool1d(imp.reshape(-1, 1, cand), kernel, stride=1, padding=kernel // 2).view(*lead, cand)
+    score = alpha * imp - (1.0 - alpha) * rkv_redundancy(keys)[..., :cand]
     picked = stable_topk(score, budget - window)
-    tail = torch.arange(cand, n, device=importance.device).expand(hkv, window)
-    return torch.cat([picked, tail], dim=1)
+    tail = torch.arange(cand, n, device=importance.device).expand(*lead, window)
+    return torch.cat([picked, tail], dim=-1)
 
 
 def segment_ids(boundary, max_segment):
