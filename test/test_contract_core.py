@@ -218,34 +218,62 @@ def test_compact_rows_equals_compact_by_positions_and_refuses_rows_it_does_not_h
         b.compact_rows("r", torch.arange(3).expand(HKV, 3))
 
 
+def _wave(device="cpu"):
+    """Three requests of 20, 17 and 9 rows (r0 already compacted once, per head, then 3 more
+    rows); the store's KV and slot table on ``device``."""
+    store = TensorKVStore(LAYERS, 128, HKV, D)
+    store.k, store.v, store.table = store.k.to(device), store.v.to(device), store.table.to(device)
+    cache = CacheManager(store, HKV)
+    g = torch.Generator().manual_seed(5)
+    for r, n in enumerate((20, 17, 9)):
+        store.alloc_rows(r, n)
+        cache.start(f"r{r}", r, n)
+        cache.on_written(f"r{r}", n)
+        for layer in range(LAYERS):
+            slots = store.row_slots(r, 0, n)
+            store.write(layer, slots, torch.randn(n, HKV, D, generator=g).to(device),
+                        torch.randn(n, HKV, D, generator=g).to(device))
+    # r0's positions are not its rows
+    cache.compact_rows("r0", torch.rand(LAYERS, HKV, 20, generator=g).argsort(-1)[..., :12].sort(-1).values.to(device))
+    store.alloc_rows(0, 3)
+    cache.on_written("r0", 3)
+    return store, cache
+
+
+def _wave_rows():
+    g = torch.Generator().manual_seed(6)
+    return torch.stack([torch.rand(LAYERS, HKV, 15, generator=g).argsort(-1)[..., :9].sort(-1).values,
+                        torch.rand(LAYERS, HKV, 17, generator=g).argsort(-1)[..., :9].sort(-1).values,
+                        torch.arange(9).expand(LAYERS, HKV, 9)])  # r2 holds 9 rows: nothing to drop
+
+
+@pytest.mark.gpu
+def test_compact_rows_many_on_the_gpu_equals_the_cpu():
+    """On CUDA the wave's positions are gathered and kept on the device (int32): the same maps,
+    KV and free slots as the CPU's path."""
+    a_store, a = _wave()
+    b_store, b = _wave("cuda")
+    rows = _wave_rows()
+    assert b.compact_rows_many(["r0", "r1", "r2"], rows.cuda()) == a.compact_rows_many(["r0", "r1", "r2"], rows)
+    assert b.retained("r1").kept.is_cuda and b.retained("r1").kept.dtype == torch.int32
+    assert a_store.free_count() == b_store.free_count()
+    for i in range(3):
+        assert torch.equal(a.retained(f"r{i}").all_positions(), b.retained(f"r{i}").all_positions())
+        for layer in range(LAYERS):
+            assert torch.equal(a.keys(f"r{i}", layer), b.keys(f"r{i}", layer).cpu())
+
+
 def test_compact_rows_many_equals_one_by_one():
     """``CacheManager.compact_rows_many`` (a wave of decode evictions planned together) leaves
     every request as ``compact_rows`` one at a time would: same KV, map and free slots; a request
     already within the kept count is left alone; a bad plan refuses the batch before any move."""
-    def make():
-        store = TensorKVStore(LAYERS, 128, HKV, D)
-        cache = CacheManager(store, HKV)
-        g = torch.Generator().manual_seed(5)
-        for r, n in enumerate((20, 17, 9)):
-            store.alloc_rows(r, n)
-            cache.start(f"r{r}", r, n)
-            cache.on_written(f"r{r}", n)
-            for layer in range(LAYERS):
-                slots = store.row_slots(r, 0, n)
-                store.write(layer, slots, torch.randn(n, HKV, D, generator=g), torch.randn(n, HKV, D, generator=g))
-        # r0 first gets a per-head map, then 3 more rows: its positions are not its rows
-        cache.compact_rows("r0", torch.rand(LAYERS, HKV, 20, generator=g).argsort(-1)[..., :12].sort(-1).values)
-        store.alloc_rows(0, 3)
-        cache.on_written("r0", 3)
-        return store, cache
-
-    g = torch.Generator().manual_seed(6)
-    rows = torch.stack([torch.rand(LAYERS, HKV, 15, generator=g).argsort(-1)[..., :9].sort(-1).values,
-                        torch.rand(LAYERS, HKV, 17, generator=g).argsort(-1)[..., :9].sort(-1).values,
-                        torch.arange(9).expand(LAYERS, HKV, 9)])  # r2 holds 9 rows: nothing to drop
+    make = _wave
+    rows = _wave_rows()
     a_store, a = make()
     b_store, b = make()
-    one_by_one = [a.compact_rows(f"r{i}", rows[i]) for i in range(3)]
+    # one by one through the positions path (CacheManager.compact: a search back to rows, its own moves)
+    one_by_one = [a.compact(f"r{i}", a.retained(f"r{i}").all_positions().gather(2, rows[i]))
+                  if rows.shape[3] < a.retained(f"r{i}").n_rows else 0 for i in range(3)]
     assert b.compact_rows_many(["r0", "r1", "r2"], rows) == one_by_one == [15 - 9, 17 - 9, 0]
     assert a_store.free_count() == b_store.free_count() and b.counters == a.counters
     for i in range(3):
@@ -253,6 +281,26 @@ def test_compact_rows_many_equals_one_by_one():
         for layer in range(LAYERS):
             assert torch.equal(a.keys(f"r{i}", layer), b.keys(f"r{i}", layer))
             assert torch.equal(a.values(f"r{i}", layer), b.values(f"r{i}", layer))
+    # off the CPU the positions stay on the device as int32 (RetainedMap.device_kept); the host
+    # reads int64, a copy (a parked chain) holds them on the host, and the next wave goes on from them
+    ret = b.retained("r1")
+    assert ret.device_kept(torch.device("cpu"), torch.int32).dtype == torch.int32
+    parked = copy.deepcopy(ret)
+    assert parked.kept.dtype == torch.int64 and torch.equal(parked.all_positions(), a.retained("r1").all_positions())
+    assert ret.kept.dtype == torch.int32  # the copy left the original where it was
+    for cache, store in ((a, a_store), (b, b_store)):
+        for r in (0, 1):
+            store.alloc_rows(r, 2)
+            cache.on_written(f"r{r}", 2)
+    again = torch.stack([torch.arange(1, 11).expand(LAYERS, HKV, 10)] * 2)
+    assert b.compact_rows_many(["r0", "r1"], again) == [
+        a.compact(f"r{r}", a.retained(f"r{r}").all_positions().gather(2, again[r])) for r in (0, 1)]
+    for r in (0, 1):
+        assert b.retained(f"r{r}").all_positions().dtype == torch.int64
+        assert torch.equal(a.retained(f"r{r}").all_positions(), b.retained(f"r{r}").all_positions())
+    uniform = a.retained("r2")
+    uniform.keep(torch.arange(3, 9).expand(LAYERS, HKV, 6))
+    assert copy.deepcopy(uniform).token_positions() is not None  # a token-uniform map stays uniform in a copy
     _, c = make()
     before = [c.keys("r1", layer).clone() for layer in range(LAYERS)]
     bad = torch.stack([torch.arange(9).expand(LAYERS, HKV, 9), torch.arange(9, 18).expand(LAYERS, HKV, 9)])

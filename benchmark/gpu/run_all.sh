@@ -48,7 +48,8 @@
 #                   eviction (batch 179, 4K prompts; ~3 min, est.)
 #   profile-capacity-dense  dense's decode step at capacity393k's batch (11 x 32K, 16 splits), kernel by kernel
 #                   (~3 min, est.): the other side of profile-rkv-step
-#   tests-decode-scores  the decode scoring kernel at R-KV's capacity shape; H2O / R-KV graph == eager (~5 min, est.)
+#   tests-decode-scores  the decode scoring kernel at R-KV's capacity shape, the eviction wave's redundancy kernel and
+#                   compaction on the device; H2O / R-KV graph == eager (~6 min, est.)
 #   capacity393k-rkv-h100  the same on an H100 (--mem-fraction-static 0.92, graphs for each own batch only; dense at 16 / 32 splits, ~15 min)
 #   capacity-eviction  R-KV, SnapKV and dense (16 splits) at a 98,304-token pool               ~6 min
 #   capacity-kvzip  KVzip's kernel test, then KVzip (probe at 32K: 65K rows while it runs), dense
@@ -179,6 +180,9 @@ for stage in "$@"; do
     tests-decode-scores)  # the decode-step scoring kernel (H2O / R-KV / SkipKV) at R-KV's capacity shape, timed
       # next to the torch path it replaces; then H2O's and R-KV's graph decode == eager through the server
       gpu_tests "$stage-kernel" -s test/test_decode_scores_kernel.py
+      # R-KV's eviction waves: the redundancy kernel (timed next to the reference) and the wave's
+      # compaction with its positions kept on the device (== the CPU's)
+      gpu_tests "$stage-wave" -s test/test_rkv_redundancy_kernel.py test/test_contract_core.py
       gpu_tests "$stage" test/test_gpu_server.py -k "online and (h2o or rkv)" ;;
     capacity-rkv-step)  # R-KV's decode step at capacity393k-rkv's rows per request (budget 2,048 + interval 128)
       # with 4K prompts instead of 32K, so 179 fill the 393,216 pool in ~1 min of prefill (0.92: an 80 GB card)

@@ -48,6 +48,32 @@ class RetainedMap:
     cells: list[torch.Tensor] | None = field(default=None, repr=False)
     compacted_rows: int = 0
 
+    def host_kept(self) -> torch.Tensor | None:
+        """``kept`` on the host as int64 (what every reader gets). A wave of compactions on the
+        device (``CacheManager.compact_rows_many``) leaves it there, int32; it comes back here, once,
+        when the host reads it (a retention map, a parked chain), not at every eviction."""
+        self.kept = _on_host(self.kept)
+        return self.kept
+
+    def device_kept(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        """``kept`` on ``device`` as ``dtype`` (moved there and left there), or None while identity:
+        the device side of ``host_kept``, for a compaction that gathers positions where its rows
+        are instead of copying the rows to the host."""
+        if self.kept is not None and (self.kept.device != torch.device(device) or self.kept.dtype != dtype):
+            self.kept = self.kept.to(device, dtype)
+        return self.kept
+
+    def __deepcopy__(self, memo) -> "RetainedMap":
+        """A copy (a parked or lent chain) keeps its positions on the host, not in device memory."""
+        kept = _on_host(self.kept)  # the original stays where it is
+        if kept is not None:  # a token-uniform map stays an expanded [k] (compact_tokens re-points rows)
+            kept = kept[0, 0].clone().expand(kept.shape) if _token_uniform(kept) else kept.clone()
+        other = RetainedMap(self.num_layers, self.kv_heads, self.logical_len, self.n_rows, kept,
+                            None if self.layer_kept is None else [x.clone() for x in self.layer_kept],
+                            None if self.cells is None else [x.clone() for x in self.cells], self.compacted_rows)
+        memo[id(self)] = other
+        return other
+
     @property
     def offset(self) -> int:
         return self.logical_len - self.n_rows
@@ -85,11 +111,12 @@ class RetainedMap:
         ``layer_positions``."""
         if self.layer_kept is not None:
             raise ValueError("a per-layer retained map has one row count per layer: use layer_positions")
-        if self.kept is None:
+        kept = self.host_kept()
+        if kept is None:
             return None
-        tail = self.n_rows - self.kept.shape[2]
+        tail = self.n_rows - kept.shape[2]
         new = torch.arange(self.logical_len - tail, self.logical_len, dtype=torch.int64)
-        return torch.cat([self.kept, new.expand(self.num_layers, self.kv_heads, tail)], dim=2)
+        return torch.cat([kept, new.expand(self.num_layers, self.kv_heads, tail)], dim=2)
 
     def append(self, n: int) -> None:
         """n new tokens got KV in new rows (prefill chunk or decode): logical and rows grow."""
@@ -122,12 +149,13 @@ class RetainedMap:
         KV head (identity, or only token-uniform compactions so far); None otherwise."""
         if self.layer_kept is not None:
             return None
-        if self.kept is None:
+        kept = self.host_kept()
+        if kept is None:
             return torch.arange(self.n_rows)
-        if not _token_uniform(self.kept):
+        if not _token_uniform(kept):
             return None
-        tail = self.n_rows - self.kept.shape[2]
-        return torch.cat([self.kept[0, 0], torch.arange(self.logical_len - tail, self.logical_len)])
+        tail = self.n_rows - kept.shape[2]
+        return torch.cat([kept[0, 0], torch.arange(self.logical_len - tail, self.logical_len)])
 
     def all_positions(self) -> torch.Tensor:
         positions = self.positions
@@ -153,6 +181,15 @@ class RetainedMap:
         self.layer_kept = [x.clone() for x in logical]
         self.cells = cells
         self.compacted_rows = self.n_rows = engine_rows
+
+
+def _on_host(kept: torch.Tensor | None) -> torch.Tensor | None:
+    """``kept`` as host int64 (itself when it is already; a token-uniform one stays expanded)."""
+    if kept is None or (kept.device.type == "cpu" and kept.dtype == torch.int64):
+        return kept
+    if _token_uniform(kept):
+        return kept[0, 0].to("cpu", torch.int64).expand(kept.shape)
+    return kept.to("cpu", torch.int64)
 
 
 def _token_uniform(t: torch.Tensor) -> bool:

@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from sgl_kernel_sparse import rkv_redundancy_rows
 from sgl_kernel_sparse.eviction_scores import rkv_select
 
 from sglang_sparse.core.eviction import EvictingRuntime, KeptRows
@@ -81,8 +82,9 @@ class RKVRuntime(EvictingRuntime):
         self.scores = SlotScores(cache.store, cache.kv_heads)  # the buffer's accumulated attention
         self.fire_at = c.budget + c.interval  # rows at which a decode eviction fires
         # decode evictions come in waves (requests that started together reach budget + interval
-        # together): up to ~32K rows of them planned at once, so a layer's keys of the batch
-        # ([R, Hkv, n, D] in fp32, ~134 MB for the 8B shape) stay small next to the pool
+        # together): up to ~32K rows of them planned at once, so what a batch holds per layer
+        # stays small next to the pool (off CUDA the reference gathers its keys: [R, Hkv, n, D]
+        # in fp32, ~134 MB for the 8B shape; on CUDA only [R, Hkv, n] scores)
         self.plan_batch = max(1, 32768 // self.fire_at)
 
     def on_prefill_chunk(self, layer: LayerInput) -> None:
@@ -129,9 +131,11 @@ class RKVRuntime(EvictingRuntime):
             importance = self.scores.t[:, dev].permute(1, 0, 3, 2) / (c.window * self.scores.group)
             keep = []
             for layer in range(self.cache.store.num_layers):
-                keys = self.cache.store.k_buffer(layer)[slots.to(self.cache.store.k_buffer(layer).device)]
-                keep.append(rkv_select(importance[:, layer], keys.transpose(1, 2), c.budget, c.window, c.alpha,
-                                       c.kernel))  # [R, Hkv, budget] rows, ascending per head
+                k_cache = self.cache.store.k_buffer(layer)
+                # [R, Hkv, n]: on CUDA read from the pool by one kernel (no gather, no fp32 copy)
+                redundancy = rkv_redundancy_rows(k_cache, slots.to(k_cache.device))
+                keep.append(rkv_select(importance[:, layer], None, c.budget, c.window, c.alpha, c.kernel,
+                                       redundancy=redundancy))  # [R, Hkv, budget] rows, ascending per head
             self.scores.clear(slots.flatten())  # the buffer starts over
             kept = torch.stack(keep, dim=1)  # [R, layers, Hkv, budget]
             for j, i in enumerate(idx):

@@ -175,6 +175,15 @@ def decode_attention_add(scores, q, k_cache, req_to_token, req_rows, n_rows, new
     return eviction_scores.decode_attention_add(*args, weight=weight, scale=scale)
 
 
+def rkv_redundancy_rows(k_cache, slots, **triton_kwargs):
+    """``eviction_scores.rkv_redundancy_rows``: on CUDA the Triton kernel (``triton_rkv``: keys
+    read from the pool through the slots, never gathered or copied to fp32), elsewhere the
+    reference."""
+    if use_triton(k_cache, slots):
+        return _triton_ops().rkv_redundancy_rows(k_cache, slots, **triton_kwargs)
+    return eviction_scores.rkv_redundancy_rows(k_cache, slots)
+
+
 # Other selections stay in torch on every device (stable sorts: ties -> lower index).
 snapkv_select = reference.snapkv_select
 stable_topk = reference.stable_topk

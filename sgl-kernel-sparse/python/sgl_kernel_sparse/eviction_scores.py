@@ -93,14 +93,22 @@ def rkv_redundancy(keys):
     return mean.softmax(dim=-1)
 
 
-def rkv_select(importance, keys, budget, window, alpha, kernel):
+def rkv_redundancy_rows(k_cache, slots):
+    """``rkv_redundancy`` of the rows requests hold in one layer of the pool: ``k_cache [S, Hkv,
+    D]``, ``slots [R, n]`` (request r's row i in ``slots[r, i]``) -> ``[R, Hkv, n]``."""
+    return rkv_redundancy(k_cache[slots.long()].transpose(1, 2))
+
+
+def rkv_select(importance, keys, budget, window, alpha, kernel, redundancy=None):
     """R-KV's kept rows of one layer: importance ``[Hkv, n]`` (mean attention of the buffered
     queries), keys ``[Hkv, n, D]``; or of several layers / requests at once, ``[..., Hkv, n]``
     and ``[..., Hkv, n, D]`` (each row of the leading dims on its own). Rows ``[n - window, n)``
     (the buffer's own tokens) are kept; of rows ``[0, n - window)`` the top ``budget - window`` by
     ``alpha * maxpool(importance) - (1 - alpha) * redundancy`` (max-pool of odd ``kernel``,
     stride 1, padding ``kernel // 2``; redundancy over all n rows, ``rkv_redundancy``), ties to
-    the lower row. ``n <= budget``: all. Returns ``[..., Hkv, min(n, budget)]`` ascending."""
+    the lower row. ``n <= budget``: all. ``redundancy``: ``rkv_redundancy(keys)`` computed
+    already (e.g. read from the pool by ``rkv_redundancy_rows``; ``keys`` is then unused).
+    Returns ``[..., Hkv, min(n, budget)]`` ascending."""
     lead, n = importance.shape[:-1], importance.shape[-1]
     if n <= budget:
         return torch.arange(n, device=importance.device).expand(*lead, n).clone()
@@ -108,7 +116,8 @@ def rkv_select(importance, keys, budget, window, alpha, kernel):
     imp = importance[..., :cand].float()
     if kernel > 1:  # max_pool1d takes [N, C, L]: every leading row as its own sequence
         imp = F.max_pool1d(imp.reshape(-1, 1, cand), kernel, stride=1, padding=kernel // 2).view(*lead, cand)
-    score = alpha * imp - (1.0 - alpha) * rkv_redundancy(keys)[..., :cand]
+    redundancy = rkv_redundancy(keys) if redundancy is None else redundancy
+    score = alpha * imp - (1.0 - alpha) * redundancy[..., :cand]
     picked = stable_topk(score, budget - window)
     tail = torch.arange(cand, n, device=importance.device).expand(*lead, window)
     return torch.cat([picked, tail], dim=-1)
