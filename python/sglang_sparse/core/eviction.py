@@ -73,6 +73,16 @@ class EvictingRuntime(SparseMethodRuntime):
         each). Plans in rows of one shape are compacted together (``CacheManager.compact_rows_many``)."""
         return [self.plan(rid) for rid in rids]
 
+    def by_row_count(self, rids: list[str], over: int) -> dict[int, list[int]]:
+        """For a ``plan_many``: the indices into ``rids`` of the requests holding more than
+        ``over`` rows, grouped by their row count (a group plans as one ``[R, ..., n]`` batch)."""
+        groups: dict[int, list[int]] = {}
+        for i, rid in enumerate(rids):
+            n = self.cache.requests[rid].retained.n_rows
+            if n > over:
+                groups.setdefault(n, []).append(i)
+        return groups
+
     def has_pending(self, rid: str) -> bool:
         return rid in self.pending
 
@@ -118,16 +128,14 @@ class EvictingRuntime(SparseMethodRuntime):
         """Slots freed per request: plans in rows of one shape together, the rest one by one."""
         got = [0] * len(rids)
         rows = [i for i, p in enumerate(plans) if isinstance(p, KeptRows)]
-        shapes = {tuple(plans[i].rows.shape) for i in rows}
-        if len(rows) > 1 and len(shapes) == 1:
-            together = self.cache.compact_rows_many([rids[i] for i in rows],
-                                                    torch.stack([plans[i].rows for i in rows]))
-            for i, g in zip(rows, together):
+        together = len(rows) > 1 and len({tuple(plans[i].rows.shape) for i in rows}) == 1
+        if together:  # counted in cache.counters, as compact_rows
+            freed = self.cache.compact_rows_many([rids[i] for i in rows], torch.stack([plans[i].rows for i in rows]))
+            for i, g in zip(rows, freed):
                 got[i] = g
         for i, (rid, keep) in enumerate(zip(rids, plans)):
-            if isinstance(keep, KeptRows):
-                if not (len(rows) > 1 and len(shapes) == 1):
-                    got[i] = self.cache.compact_rows(rid, keep.rows)  # counted in cache.counters
-            elif keep is not None:
+            if isinstance(keep, KeptRows) and not together:
+                got[i] = self.cache.compact_rows(rid, keep.rows)
+            elif keep is not None and not isinstance(keep, KeptRows):
                 got[i] = self.cache.compact(rid, keep)
         return got

@@ -113,12 +113,7 @@ class H2ORuntime(AccumulatedAttentionHooks, EvictingRuntime):
         interval``) are planned together: one gather of their scores, one ``h2o_select``."""
         c = self.config
         plans: list[KeptRows | None] = [None] * len(rids)
-        by_rows: dict[int, list[int]] = {}
-        for i, rid in enumerate(rids):
-            n = self.cache.requests[rid].retained.n_rows
-            if n > c.budget:
-                by_rows.setdefault(n, []).append(i)
-        for n, idx in by_rows.items():
+        for n, idx in self.by_row_count(rids, c.budget).items():
             # [R, n]: row i of every layer and head of request r lives in slots[r, i]
             slots = torch.stack([self.cache.resident_slots(rids[i]) for i in idx])
             scores = self.scores.rows(slots.flatten()).unflatten(2, (len(idx), n)).permute(2, 0, 1, 3)  # [R, L, Hkv, n]

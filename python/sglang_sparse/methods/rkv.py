@@ -114,16 +114,12 @@ class RKVRuntime(EvictingRuntime):
 
     def plan_many(self, rids: list[str]) -> list[KeptRows | None]:
         """Requests holding the same number of rows are planned together (a decode wave: every
-        one at ``budget + interval``): one gather of their scores, and per layer one gather of
-        their keys and one ``rkv_select`` over ``[R, Hkv, n]``, instead of that per request."""
+        one at ``budget + interval``): one gather of their scores, and per layer one redundancy
+        read from the pool (``rkv_redundancy_rows``) and one ``rkv_select`` over ``[R, Hkv, n]``,
+        instead of that per request."""
         c = self.config
         plans: list[KeptRows | None] = [None] * len(rids)
-        by_rows: dict[int, list[int]] = {}
-        for i, rid in enumerate(rids):
-            n = self.cache.requests[rid].retained.n_rows
-            if n > c.budget:
-                by_rows.setdefault(n, []).append(i)
-        for n, idx in by_rows.items():
+        for n, idx in self.by_row_count(rids, c.budget).items():
             # [R, n]: row i of every layer and head of request r lives in slots[r, i]
             slots = torch.stack([self.cache.resident_slots(rids[i]) for i in idx])
             dev = slots.to(self.scores.t.device)
