@@ -35,6 +35,12 @@ class EvictingRuntime(SparseMethodRuntime):
     # kernel launches and host round trips.
     plan_batch = 1
 
+    @staticmethod
+    def wave_batch(rows_each: int) -> int:
+        """``plan_batch`` for a method whose requests hold ``rows_each`` rows at a decode eviction:
+        about 32K rows per batch, so what a batch holds per layer stays small next to the pool."""
+        return max(1, 32768 // rows_each)
+
     def __init__(self, cache, oracle=None) -> None:
         super().__init__(cache, oracle)
         self.pending: list[str] = []
@@ -107,10 +113,11 @@ class EvictingRuntime(SparseMethodRuntime):
         freed = 0
         # prompt compressions and decode evictions in batches of their own: their costs are
         # reported apart, and a batch then holds requests of about one size
+        size = max(1, self.plan_batch)
         for decoding in (False, True):
             group = [rid for rid in ready if (rid in self.pending_decode) == decoding]
-            for i in range(0, len(group), max(1, self.plan_batch)):
-                batch = group[i: i + max(1, self.plan_batch)]
+            for i in range(0, len(group), size):
+                batch = group[i: i + size]
                 t = time.perf_counter()
                 got = self._compact(batch, self.plan_many(batch))
                 freed += sum(got)
@@ -134,8 +141,9 @@ class EvictingRuntime(SparseMethodRuntime):
             for i, g in zip(rows, freed):
                 got[i] = g
         for i, (rid, keep) in enumerate(zip(rids, plans)):
-            if isinstance(keep, KeptRows) and not together:
-                got[i] = self.cache.compact_rows(rid, keep.rows)
-            elif keep is not None and not isinstance(keep, KeptRows):
+            if isinstance(keep, KeptRows):
+                if not together:
+                    got[i] = self.cache.compact_rows(rid, keep.rows)
+            elif keep is not None:
                 got[i] = self.cache.compact(rid, keep)
         return got

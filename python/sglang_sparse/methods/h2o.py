@@ -100,7 +100,7 @@ class H2ORuntime(AccumulatedAttentionHooks, EvictingRuntime):
         # while prefilling, at most budget + interval - 1 rows before a chunk (cap: budget + interval)
         super().__init__(cache, MemoryOracle.online(c.budget, c.interval, self.evict_prefill))
         self.scores = SlotScores(cache.store, cache.kv_heads)
-        self.plan_batch = max(1, 32768 // (c.budget + c.interval))  # a decode wave planned together
+        self.plan_batch = self.wave_batch(c.budget + c.interval)  # a decode wave planned together
 
     def finish_step(self, step: StepInfo) -> None:
         self.schedule_over_budget(step, self.config.budget, self.config.interval, during_prefill=self.evict_prefill)

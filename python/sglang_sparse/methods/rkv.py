@@ -82,10 +82,9 @@ class RKVRuntime(EvictingRuntime):
         self.scores = SlotScores(cache.store, cache.kv_heads)  # the buffer's accumulated attention
         self.fire_at = c.budget + c.interval  # rows at which a decode eviction fires
         # decode evictions come in waves (requests that started together reach budget + interval
-        # together): up to ~32K rows of them planned at once, so what a batch holds per layer
-        # stays small next to the pool (off CUDA the reference gathers its keys: [R, Hkv, n, D]
-        # in fp32, ~134 MB for the 8B shape; on CUDA only [R, Hkv, n] scores)
-        self.plan_batch = max(1, 32768 // self.fire_at)
+        # together), planned ~32K rows at a time (off CUDA the reference gathers a batch's keys of
+        # a layer: [R, Hkv, n, D] in fp32, ~134 MB for the 8B shape; on CUDA only [R, Hkv, n] scores)
+        self.plan_batch = self.wave_batch(self.fire_at)
 
     def on_prefill_chunk(self, layer: LayerInput) -> None:
         c = self.config
@@ -121,15 +120,14 @@ class RKVRuntime(EvictingRuntime):
         plans: list[KeptRows | None] = [None] * len(rids)
         for n, idx in self.by_row_count(rids, c.budget).items():
             # [R, n]: row i of every layer and head of request r lives in slots[r, i]
-            slots = torch.stack([self.cache.resident_slots(rids[i]) for i in idx])
-            dev = slots.to(self.scores.t.device)
+            # (the scores live on the pool's device: SlotScores)
+            slots = torch.stack([self.cache.resident_slots(rids[i]) for i in idx]).to(self.scores.t.device)
             # [L, R, n, Hkv] -> [R, L, Hkv, n]: mean over the buffer and the group
-            importance = self.scores.t[:, dev].permute(1, 0, 3, 2) / (c.window * self.scores.group)
+            importance = self.scores.t[:, slots].permute(1, 0, 3, 2) / (c.window * self.scores.group)
             keep = []
             for layer in range(self.cache.store.num_layers):
-                k_cache = self.cache.store.k_buffer(layer)
                 # [R, Hkv, n]: on CUDA read from the pool by one kernel (no gather, no fp32 copy)
-                redundancy = rkv_redundancy_rows(k_cache, slots.to(k_cache.device))
+                redundancy = rkv_redundancy_rows(self.cache.store.k_buffer(layer), slots)
                 keep.append(rkv_select(importance[:, layer], None, c.budget, c.window, c.alpha, c.kernel,
                                        redundancy=redundancy))  # [R, Hkv, budget] rows, ascending per head
             self.scores.clear(slots.flatten())  # the buffer starts over
