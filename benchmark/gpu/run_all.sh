@@ -50,7 +50,9 @@
 #                   (~3 min, est.): the other side of profile-rkv-step
 #   tests-decode-scores  the decode scoring kernel at R-KV's capacity shape, the eviction wave's redundancy kernel and
 #                   compaction on the device; H2O / R-KV graph == eager (~6 min, est.)
-#   capacity393k-rkv-h100  the same on an H100 (--mem-fraction-static 0.92, graphs for each own batch only; dense at 16 / 32 splits, ~15 min)
+#   tests-wave      tests-decode-scores without its server tests (~1 min, est.)
+#   capacity393k-rkv-h100  the same on an H100 (--mem-fraction-static 0.92, graphs for each own batch only; dense at 16 / 32 splits,
+#                   DENSE_SPLITS="16" for one; 825 s, 2026-12-06)
 #   capacity-eviction  R-KV, SnapKV and dense (16 splits) at a 98,304-token pool               ~6 min
 #   capacity-kvzip  KVzip's kernel test, then KVzip (probe at 32K: 65K rows while it runs), dense
 #                   (16 / 64 splits), SnapKV, 98,304 pool (~8 min, est.)
@@ -184,6 +186,10 @@ for stage in "$@"; do
       # compaction with its positions kept on the device (== the CPU's)
       gpu_tests "$stage-wave" -s test/test_rkv_redundancy_kernel.py test/test_contract_core.py
       gpu_tests "$stage" test/test_gpu_server.py -k "online and (h2o or rkv)" ;;
+    tests-wave)  # tests-decode-scores without its server tests (~1 min): the scoring and redundancy kernels
+      # next to their references, and the wave's compaction on the device == the CPU's
+      gpu_tests "$stage-kernel" -s test/test_decode_scores_kernel.py
+      gpu_tests "$stage" -s test/test_rkv_redundancy_kernel.py test/test_contract_core.py ;;
     capacity-rkv-step)  # R-KV's decode step at capacity393k-rkv's rows per request (budget 2,048 + interval 128)
       # with 4K prompts instead of 32K, so 179 fill the 393,216 pool in ~1 min of prefill (0.92: an 80 GB card)
       timeout 420 python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 393216 \
@@ -311,7 +317,7 @@ print(tuning.config_name(torch.cuda.get_device_name()))')
       # need --mem-fraction-static 0.92 there (0.80 fits an H200); decode graphs for each one's own batch only;
       # dense swept over 16 / 32 splits (its two best on the H200), ~15 min through bg.sh
       python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 393216 \
-        --prompt-len 32768 --output-len 2048 --methods rkv dense --tune dense --kv-splits 16 32 \
+        --prompt-len 32768 --output-len 2048 --methods rkv dense --tune dense --kv-splits ${DENSE_SPLITS:-16 32} \
         ${RKV_SPLITS:+--kv-splits-for rkv=$RKV_SPLITS} \
         --timeout 2400 --window 256 --graphs-own-batch --out "$OUT/long_capacity_32k_393k_rkv_h100.json" \
         -- --mem-fraction-static 0.92 2>&1 | tee "$OUT/$stage.txt" ;;
