@@ -454,6 +454,16 @@ def server_extra(args, splits: int | None, batches: list[int]) -> list[str]:
     return extra
 
 
+def check_splits_for(args, methods: list[str]) -> None:
+    """``--kv-splits-for`` names only variants that run: a typo or a method left out of
+    ``--methods`` would otherwise be ignored and its variant run at another split count."""
+    for item in args.kv_splits_for:
+        method = item.partition("=")[0]
+        if method not in methods:
+            raise SystemExit(f"--kv-splits-for {item!r}: {method!r} is not among the variants run "
+                             f"(--methods {' '.join(methods)})")
+
+
 def split_sweep(name: str, args) -> list:
     """The --triton-attention-num-kv-splits values ``name`` runs at: its own ``--kv-splits-for``
     list, else ``--kv-splits`` if it is tuned, else ``[None]`` (SGLang's default, no flag)."""
@@ -505,6 +515,7 @@ def main() -> None:
     RETRO.update({key: getattr(args, f"retro_{key}") for key in RETRO})
     args.extra = argv[cut + 1 :]  # extra SGLang flags for every server
     methods = args.methods or (["dense", "snapkv"] if args.experiment == "capacity" else ["plain", "dense", "quest"])
+    check_splits_for(args, methods)
     out = args.out or f"long_{args.experiment}_{args.prompt_len}.json"
     results: dict[str, dict] = {}
 

@@ -46,6 +46,17 @@ def test_a_variants_own_split_values_replace_the_shared_sweep():
         raise AssertionError("a malformed --kv-splits-for passed")
 
 
+def test_splits_for_a_variant_not_run_is_refused():
+    args = type("A", (), {"kv_splits_for": ["rkv=4"]})()
+    B.check_splits_for(args, ["rkv", "dense"])  # named and run: fine
+    try:
+        B.check_splits_for(args, ["dense"])
+    except SystemExit as e:
+        assert "'rkv' is not among the variants run" in str(e) and "--methods dense" in str(e)
+    else:
+        raise AssertionError("--kv-splits-for naming a variant not run passed")
+
+
 class _Args:
     pool, prompt_len, output_len, budget = 49152, 32768, 2048, 2048
 
