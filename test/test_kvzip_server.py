@@ -175,7 +175,9 @@ def test_refusals_are_sentences(full):
     # max_new_tokens 0 is SGLang's prefill-only path, which never samples the token the probe
     # replaces: the request used to hang, unanswered
     none = gen(full, [1000, 1001, 1002], 0)
-    assert none.status_code == 400 and "max_new_tokens must be >= 1" in none.text, none.text
+    assert none.status_code == 400 and "max_new_tokens must be >= 1 (it was 0)" in none.text, none.text
+    false = gen(full, [1000, 1001, 1002], False)  # equals 0 in Python, but refused by its type first
+    assert false.status_code == 400 and "max_new_tokens: invalid type: boolean" in false.text, false.text
     one = gen(full, [1000], 2)  # no context to score: served without a probe
     assert one.status_code == 200 and one.json()["meta_info"]["prompt_tokens"] == 1, one.text
     session = gen(full, [1000, 1001, 1002], 2, session_params={"id": "s1"})
