@@ -92,6 +92,9 @@ class EvictingRuntime(SparseMethodRuntime):
     def has_pending(self, rid: str) -> bool:
         return rid in self.pending
 
+    def has_any_pending(self) -> bool:
+        return bool(self.pending)
+
     def apply_pending(self, only: set[str] | None = None) -> int:
         """Compact the pending requests (those in ``only``; None: all). What it costs goes to
         ``timings_us["compaction"]``: host wall time of the plans and moves, so ``/sparse/stats``

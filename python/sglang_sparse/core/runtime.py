@@ -293,3 +293,8 @@ class SparseMethodRuntime:
     def has_pending(self, rid: str) -> bool:
         """Whether a physical change is planned for ``rid`` and not applied yet."""
         return False
+
+    def has_any_pending(self) -> bool:
+        """Whether a physical change is planned for any request (the adapter waits for a step
+        still in flight before the safe point applies it: SGLang's overlap scheduler)."""
+        return False

@@ -191,19 +191,26 @@ def sparse_config(argv: list[str], log=logger.info) -> tuple[dict, list[str]]:
     config["chain_cache"], argv = _chain_cache(config["method"], runtime, argv, log)
     config["chain_replica"], argv = _chain_replica(argv, config["chain_cache"])
     radix_asked = "--disable-radix-cache" not in argv  # before an evicting method turns SGLang's off
+    overlap, argv = _overlap(config["method"], runtime, argv)
     if runtime.evicts_kv:
         # Compaction happens between steps and rows stop matching logical tokens (see
-        # srt/step_hooks.py): no overlap scheduler, no mixed chunks, no radix insertion.
+        # engine/steps.py): no mixed chunks, no radix insertion, and SGLang's overlap scheduler
+        # only when asked for (--sparse-overlap on).
         if "--enable-mixed-chunk" in argv:
             raise ConfigError(f"--sparse-method {config['method']} evicts KV and cannot run with --enable-mixed-chunk")
         if "--enable-streaming-session" in argv:
             # A streaming session would lend retained rows as if they were logical tokens.
             raise ConfigError(f"--sparse-method {config['method']} evicts KV and cannot run with "
                               "--enable-streaming-session; plain sessions resume through Chain Cache")
-        for flag in ("--disable-radix-cache", "--disable-overlap-schedule"):
+        for flag in ("--disable-radix-cache",) + (() if overlap else ("--disable-overlap-schedule",)):
             if flag not in argv:
                 argv.append(flag)
-                log(f"sglang_sparse: {config['method']} evicts KV physically; added {flag}")
+                log(f"sglang_sparse: {config['method']} evicts KV physically; added {flag}"
+                    + ("" if flag == "--disable-radix-cache" else " (--sparse-overlap on keeps SGLang's "
+                                                                  "overlap scheduler)"))
+        if overlap:
+            log(f"sglang_sparse: --sparse-overlap on: {config['method']} evicts under SGLang's overlap scheduler "
+                "(experimental: a compaction first waits for the step in flight)")
     given = _given_flags(argv)
     prefill = config.get("prefill")
     if runtime.changes_attention or prefill:
@@ -245,6 +252,28 @@ def sparse_config(argv: list[str], log=logger.info) -> tuple[dict, list[str]]:
 
 
 CHAIN_CACHE_CHOICES = ("auto", "on", "off")
+OVERLAP_CHOICES = ("off", "on")
+
+
+def _overlap(method: str, runtime, argv: list[str]) -> tuple[bool, list[str]]:
+    """``--sparse-overlap {off,on}`` (taken out of argv): whether a method that evicts KV keeps
+    SGLang's overlap scheduler (off: the launcher adds --disable-overlap-schedule, as before).
+    Under it the scheduler prepares step k+1 while step k runs: compaction then happens with a
+    step in flight and before that step's results are processed (engine/steps.py). Methods that
+    keep their KV run with SGLang's default either way."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--sparse-overlap", default="off")
+    known, rest = parser.parse_known_args(argv)
+    choice = known.sparse_overlap
+    if choice not in OVERLAP_CHOICES:
+        raise ConfigError(f"--sparse-overlap {choice} is not one of {', '.join(OVERLAP_CHOICES)}")
+    if choice == "on" and not runtime.evicts_kv:
+        raise ConfigError(f"--sparse-overlap on is for methods that evict KV; --sparse-method {method} keeps its KV "
+                          "and runs under SGLang's overlap scheduler unless --disable-overlap-schedule is given")
+    if choice == "on" and "--disable-overlap-schedule" in rest:
+        raise ConfigError("--sparse-overlap on asks for SGLang's overlap scheduler, which --disable-overlap-schedule "
+                          "turns off: drop one of them")
+    return choice == "on", rest
 
 
 def _chain_cache(method: str, runtime, argv: list[str], log) -> tuple[bool, list[str]]:

@@ -42,6 +42,7 @@ from sglang_sparse.srt.chains.records import Parked, Pinned, ReqChain
 from sglang_sparse.srt.engine import probe as engine_probe
 from sglang_sparse.srt.engine.admission import store_claims
 from sglang_sparse.srt.engine.held import scheduler_requests
+from sglang_sparse.srt.engine.inflight import wait_for_device
 from sglang_sparse.srt.prune.job import PROBE_KEY
 from sglang_sparse.srt.state import STATE, sparse
 
@@ -281,6 +282,7 @@ def settle_before_park(req) -> None:
     if not ctl.runtime.has_pending(req.rid):
         return
     trim_rows(req, ctl.cache.requests[req.rid].retained.n_rows)
+    wait_for_device(ctl)  # under the overlap scheduler a step with this request may be in flight
     ctl.safe_point({req.rid})  # frees the dropped rows' slots itself
     req.kv.kv_allocated_len = req.kv.kv_committed_len = ctl.cache.requests[req.rid].retained.n_rows
 

@@ -11,9 +11,17 @@
 - BEFORE ``mem_cache.common.release_kv_cache`` (``before_release``): the request leaves
   (finished, aborted, retracted); its method state is dropped before SGLang frees its rows.
 
-Physical eviction needs the overlap scheduler, mixed chunks and the radix cache off (the
-launcher sees to it): compaction between an in-flight forward and its result, or a compacted row
-inserted into the radix tree, would be wrong.
+Physical eviction needs mixed chunks and the radix cache off (the launcher sees to it): a
+compacted row inserted into the radix tree would be wrong. SGLang's overlap scheduler is off too
+unless ``--sparse-overlap on``. Under it the scheduler prepares step k+1 (and reaches its safe
+point) while step k still runs on the device and before step k's results are processed:
+
+- ``inflight.wait_for_device`` first waits for step k when a compaction is due;
+- a request that finished in step k may still be in the batch (its finish is seen one
+  iteration later): compacting it is harmless, its release follows;
+- lengths are patched on new tensors (``rows.set_row_lengths``): the queued copy of batch k
+  keeps its own.
+Without it the device is idle at the safe point and the wait returns at once.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from __future__ import annotations
 from sglang_sparse.core.events import RequestSlice, StepInfo, StepMode
 from sglang_sparse.srt.chains import scheduler as chains
 from sglang_sparse.srt.engine import probe, rows
+from sglang_sparse.srt.engine.inflight import wait_for_device
 from sglang_sparse.srt.prune import scheduler as prune
 from sglang_sparse.srt.state import STATE, sparse
 
@@ -116,6 +125,7 @@ def apply_safe_point(batch) -> None:
     ctl = STATE.scheduler.controller
     if ctl is None or batch is None or not batch.reqs:
         return
+    wait_for_device(ctl)
     if ctl.safe_point({req.rid for req in batch.reqs}) == 0:
         return
     # Compaction just gave rows back. SGLang stops trying to admit once an admission failed for
@@ -149,6 +159,7 @@ def compact_chunked(scheduler, running_batch=None) -> None:
     req = getattr(scheduler, "chunked_req", None)
     if ctl is None or req is None or req.rid not in ctl.cache.requests:
         return
+    wait_for_device(ctl)
     if ctl.safe_point({req.rid}):
         rows.follow_chunk_compaction(req)
         if running_batch is not None:
