@@ -258,3 +258,22 @@ def test_quest_select_per_flag_reaches_the_config_or_is_refused():
         parse_sparse_args(["--sparse-method", "quest", "--sparse-select-per", "group"])
     with pytest.raises(ConfigError, match="has no option select_per"):
         parse_sparse_args(["--sparse-method", "snapkv", "--sparse-select-per", "kv_head"])
+
+
+def test_sparse_overlap_keeps_sglangs_overlap_scheduler_for_evicting_methods_only():
+    from sglang_sparse.registry import ConfigError
+    from sglang_sparse.srt.launcher import sparse_config
+
+    def argv_for(*flags):
+        return sparse_config(["--device", "cpu", *flags], log=lambda m: None)[1]
+
+    assert "--disable-overlap-schedule" in argv_for("--sparse-method", "rkv")  # off by default
+    on = argv_for("--sparse-method", "rkv", "--sparse-overlap", "on")
+    assert "--disable-overlap-schedule" not in on and "--sparse-overlap" not in on and "--disable-radix-cache" in on
+    assert "--disable-overlap-schedule" not in argv_for("--sparse-method", "dense")  # SGLang's default
+    for flags, message in [(("--sparse-method", "rkv", "--sparse-overlap", "yes"), "--sparse-overlap yes is not one of off, on"),
+                           (("--sparse-method", "quest", "--sparse-overlap", "on"), "is for methods that evict KV"),
+                           (("--sparse-method", "h2o", "--sparse-overlap", "on", "--disable-overlap-schedule"),
+                            "drop one of them")]:
+        with pytest.raises(ConfigError, match=message):
+            argv_for(*flags)
