@@ -106,12 +106,17 @@ def test_same_tokens_and_evictions_with_and_without_overlap(pair):
     assert why_off[0] == "stop" and why_off[1] == "length"  # both ways of finishing are covered
     assert tok_on == tok_off and why_on == why_off
     assert ev_on == ev_off > N  # after each prompt and during decoding
-    # a Chain Cache continuation of some of them in both servers: the same tokens again
+    # a Chain Cache continuation of some of them in both servers: the same tokens again. A request
+    # finished by a stop token was still in the step prepared after it under overlap: that step
+    # wrote its last token's KV, which its chain keeps (one more cached token); a request finished
+    # by length is left out of the next step (SGLang knows in advance), as without overlap.
     for i in range(0, N, 4):
         prompt = bodies[i][0] + tok_on[i] + ids(20, 100 + i)
         a = generate(pair[0], prompt, 9, chain_id=chains_on[i])
         b = generate(pair[1], prompt, 9, chain_id=chains_off[i])
-        assert a["output_ids"] == b["output_ids"] and a["meta_info"]["cached_tokens"] == b["meta_info"]["cached_tokens"]
+        assert a["output_ids"] == b["output_ids"]
+        extra = 1 if why_on[i] == "stop" else 0
+        assert a["meta_info"]["cached_tokens"] == b["meta_info"]["cached_tokens"] + extra, (i, why_on[i])
 
 
 def test_concurrent_requests_under_overlap_keep_every_row_accounted(pair):
