@@ -273,6 +273,8 @@ def test_sparse_overlap_keeps_sglangs_overlap_scheduler_for_evicting_methods_onl
     assert "--disable-overlap-schedule" not in argv_for("--sparse-method", "dense")  # SGLang's default
     for flags, message in [(("--sparse-method", "rkv", "--sparse-overlap", "yes"), "--sparse-overlap yes is not one of off, on"),
                            (("--sparse-method", "quest", "--sparse-overlap", "on"), "is for methods that evict KV"),
+                           (("--sparse-method", "snapkv", "--sparse-overlap", "on"),
+                            "not available for --sparse-method snapkv yet"),
                            (("--sparse-method", "h2o", "--sparse-overlap", "on", "--disable-overlap-schedule"),
                             "drop one of them")]:
         with pytest.raises(ConfigError, match=message):

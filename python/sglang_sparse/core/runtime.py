@@ -294,6 +294,8 @@ class SparseMethodRuntime:
         """Whether a physical change is planned for ``rid`` and not applied yet."""
         return False
 
+    overlap_tested = False  # see EvictingRuntime (methods that keep their KV never need it)
+
     def has_any_pending(self) -> bool:
         """Whether a physical change is planned for any request (the adapter waits for a step
         still in flight before the safe point applies it: SGLang's overlap scheduler)."""

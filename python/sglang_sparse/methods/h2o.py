@@ -92,6 +92,7 @@ class H2OConfig:
 @register_method("h2o", "eviction", H2OConfig, "heavy hitters (accumulated attention) + recent window, online")
 class H2ORuntime(AccumulatedAttentionHooks, EvictingRuntime):
     graph_decode = True
+    overlap_tested = True
 
     def __init__(self, cache, config: H2OConfig | None = None) -> None:
         self.config = config or H2OConfig()

@@ -74,6 +74,7 @@ class RKVConfig:
 @register_method("rkv", "eviction", RKVConfig, "importance minus redundancy, periodic decode eviction")
 class RKVRuntime(EvictingRuntime):
     graph_decode = True
+    overlap_tested = True
 
     def __init__(self, cache, config: RKVConfig | None = None) -> None:
         self.config = config or RKVConfig()

@@ -270,6 +270,9 @@ def _overlap(method: str, runtime, argv: list[str]) -> tuple[bool, list[str]]:
     if choice == "on" and not runtime.evicts_kv:
         raise ConfigError(f"--sparse-overlap on is for methods that evict KV; --sparse-method {method} keeps its KV "
                           "and runs under SGLang's overlap scheduler unless --disable-overlap-schedule is given")
+    if choice == "on" and not runtime.overlap_tested:
+        raise ConfigError(f"--sparse-overlap on is not available for --sparse-method {method} yet (tested under "
+                          "SGLang's overlap scheduler: h2o, rkv); drop it to run without the overlap scheduler")
     if choice == "on" and "--disable-overlap-schedule" in rest:
         raise ConfigError("--sparse-overlap on asks for SGLang's overlap scheduler, which --disable-overlap-schedule "
                           "turns off: drop one of them")
