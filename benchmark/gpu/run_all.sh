@@ -46,7 +46,8 @@
 #                   capacity393k-rkv-h100 as RKV_SPLITS=N, which otherwise runs R-KV at SGLang's default 8)
 #   profile-rkv-step  R-KV's decode steps at those rows, kernel by kernel, over its scored window and one decode
 #                   eviction (batch 179, 4K prompts; ~3 min, est.)
-#   profile-rkv-overlap  profile-rkv-step's R-KV without and with --sparse-overlap on (~5 min, est.)
+#   profile-rkv-overlap  profile-rkv-step's R-KV without and with --sparse-overlap on (~5 min, est.;
+#                   PROFILE_VARIANTS=rkv-overlap: only with it)
 #   profile-capacity-dense  dense's decode step at capacity393k's batch (11 x 32K, 16 splits), kernel by kernel
 #                   (~3 min, est.): the other side of profile-rkv-step
 #   tests-decode-scores  the decode scoring kernel at R-KV's capacity shape, the eviction wave's redundancy kernel and
@@ -215,7 +216,7 @@ for stage in "$@"; do
     profile-rkv-overlap)  # profile-rkv-step with and without SGLang's overlap scheduler (--sparse-overlap on),
       # one server each, the same 16 steps over the scored window and one eviction wave (~5 min, est.)
       R="--sparse-method rkv --sparse-budget 2048 --sparse-interval 128 --chain-cache off"
-      timeout 560 python3 benchmark/profile_decode.py --model-path "$M8" --variants rkv rkv-overlap --batch 179 \
+      timeout 560 python3 benchmark/profile_decode.py --model-path "$M8" --variants ${PROFILE_VARIANTS:-rkv rkv-overlap} --batch 179 \
         --prompt-len 4096 --steps 16 --warmup-tokens 118 --max-total-tokens 393216 --start-timeout 300 \
         --variant-flags rkv="$R" rkv-overlap="$R --sparse-overlap on" \
         --out "$OUT/profile_rkv_overlap_b179.json" -- --load-format dummy --attention-backend triton \
