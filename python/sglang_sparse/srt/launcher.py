@@ -255,18 +255,25 @@ CHAIN_CACHE_CHOICES = ("auto", "on", "off")
 OVERLAP_CHOICES = ("off", "on")
 
 
+def _take_choice(argv: list[str], flag: str, choices: tuple[str, ...]) -> tuple[str, list[str]]:
+    """``flag``'s value (the first of ``choices`` when absent) and argv without it; a value not
+    among ``choices`` is refused with a sentence."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument(flag, default=choices[0])
+    known, rest = parser.parse_known_args(argv)
+    choice = getattr(known, flag.lstrip("-").replace("-", "_"))
+    if choice not in choices:
+        raise ConfigError(f"{flag} {choice} is not one of {', '.join(choices)}")
+    return choice, rest
+
+
 def _overlap(method: str, runtime, argv: list[str]) -> tuple[bool, list[str]]:
     """``--sparse-overlap {off,on}`` (taken out of argv): whether a method that evicts KV keeps
     SGLang's overlap scheduler (off: the launcher adds --disable-overlap-schedule, as before).
     Under it the scheduler prepares step k+1 while step k runs: compaction then happens with a
     step in flight and before that step's results are processed (engine/steps.py). Methods that
     keep their KV run with SGLang's default either way."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--sparse-overlap", default="off")
-    known, rest = parser.parse_known_args(argv)
-    choice = known.sparse_overlap
-    if choice not in OVERLAP_CHOICES:
-        raise ConfigError(f"--sparse-overlap {choice} is not one of {', '.join(OVERLAP_CHOICES)}")
+    choice, rest = _take_choice(argv, "--sparse-overlap", OVERLAP_CHOICES)
     if choice == "on" and not runtime.evicts_kv:
         raise ConfigError(f"--sparse-overlap on is for methods that evict KV; --sparse-method {method} keeps its KV "
                           "and runs under SGLang's overlap scheduler unless --disable-overlap-schedule is given")
@@ -282,12 +289,7 @@ def _overlap(method: str, runtime, argv: list[str]) -> tuple[bool, list[str]]:
 def _chain_cache(method: str, runtime, argv: list[str], log) -> tuple[bool, list[str]]:
     """``--chain-cache {auto,on,off}`` (taken out of argv): auto = on for methods that evict
     (full-KV methods reuse prefixes through SGLang's radix cache)."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--chain-cache", default="auto")
-    known, rest = parser.parse_known_args(argv)
-    choice = known.chain_cache
-    if choice not in CHAIN_CACHE_CHOICES:
-        raise ConfigError(f"--chain-cache {choice} is not one of {', '.join(CHAIN_CACHE_CHOICES)}")
+    choice, rest = _take_choice(argv, "--chain-cache", CHAIN_CACHE_CHOICES)
     if choice == "on" and not runtime.supports_chains:
         raise ConfigError(f"--chain-cache on is not supported by --sparse-method {method} yet (Chain Cache cannot "
                           "carry its KV payload); pass --chain-cache off or auto")
