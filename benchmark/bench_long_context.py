@@ -68,9 +68,16 @@ ONLINE_INTERVAL = {"h2o": 32, "rkv": 128, "skipkv": 32}  # rows past the budget 
 RETRO = {"host_mb": 40_000, "cache_rows": 4 * 2 ** 20, "index_mb": 8192}
 
 
+# an evicting method under SGLang's overlap scheduler (--sparse-overlap on): the method's variant + that flag
+OVERLAP_OF = {"rkv-overlap": "rkv", "h2o-overlap": "h2o"}
+
+
 def variant(name: str, budget: int, prompt_len: int = 32768) -> tuple[str, list[str]]:
     """(module, extra flags) of a variant; sparse methods get ``budget`` tokens (KVzip: the keep
     ratio ``budget / prompt_len``, the same number of context entries on average per head)."""
+    if name in OVERLAP_OF:
+        module, flags = variant(OVERLAP_OF[name], budget, prompt_len)
+        return module, flags + ["--sparse-overlap", "on"]
     flags = {
         # Quest allocates KV in 16-token pages (the launcher sets it); the dense variants use the
         # same page size so all three share the allocator and kernels. SnapKV needs page size 1.
@@ -266,6 +273,7 @@ def retro_batch(args) -> int:
 def capacity_batch(name: str, args) -> int:
     """Largest batch resident for the whole output: the request being prefilled holds its whole
     prompt, every admitted one its retained rows + the output (capped for StreamingLLM)."""
+    name = OVERLAP_OF.get(name, name)
     pool, L, N = pool_tokens(name, args), args.prompt_len, args.output_len
     if name == "snapkv":
         return (pool - L) // (args.budget + N) + 1

@@ -207,3 +207,15 @@ def test_long_context_json_names_the_kernel_table_and_is_written_after_every_ser
     assert body["kernel_tuning_table"] == "/tables/NVIDIA_H200.json"
     assert body["results"] == {"dense": {"1": {"decode_tok_s": 10.0, "peak_running": 1},
                                          "4": {"decode_tok_s": 40.0, "peak_running": 4}}}
+
+
+def test_overlap_variants_are_their_methods_under_the_overlap_scheduler():
+    from sglang_sparse.srt.launcher import sparse_config
+
+    for name, base in B.OVERLAP_OF.items():
+        _, flags = B.variant(name, 2048)
+        assert flags == B.variant(base, 2048)[1] + ["--sparse-overlap", "on"]
+        config, argv = sparse_config(["--model-path", "m", "--device", "cuda", *B.GPU_FLAGS, *flags], log=lambda m: None)
+        assert config["method"] == base and "--disable-overlap-schedule" not in argv
+        args = _Args([])
+        assert B.capacity_batch(name, args) == B.capacity_batch(base, args)  # the same rows resident

@@ -54,7 +54,8 @@
 #                   compaction on the device; H2O / R-KV graph == eager (~6 min, est.)
 #   tests-wave      tests-decode-scores without its server tests (~1 min, est.)
 #   capacity393k-rkv-h100  the same on an H100 (--mem-fraction-static 0.92, graphs for each own batch only; dense at 16 / 32 splits,
-#                   DENSE_SPLITS="16" for one; 825 s, 2026-12-06)
+#                   DENSE_SPLITS="16" for one; 825 s, 2026-12-06; CAP_METHODS="rkv-overlap rkv dense": R-KV under
+#                   the overlap scheduler too, ~24 min)
 #   capacity-eviction  R-KV, SnapKV and dense (16 splits) at a 98,304-token pool               ~6 min
 #   capacity-kvzip  KVzip's kernel test, then KVzip (probe at 32K: 65K rows while it runs), dense
 #                   (16 / 64 splits), SnapKV, 98,304 pool (~8 min, est.)
@@ -328,7 +329,7 @@ print(tuning.config_name(torch.cuda.get_device_name()))')
       # need --mem-fraction-static 0.92 there (0.80 fits an H200); decode graphs for each one's own batch only;
       # dense swept over 16 / 32 splits (its two best on the H200), ~15 min through bg.sh
       python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 393216 \
-        --prompt-len 32768 --output-len 2048 --methods rkv dense --tune dense --kv-splits ${DENSE_SPLITS:-16 32} \
+        --prompt-len 32768 --output-len 2048 --methods ${CAP_METHODS:-rkv dense} --tune dense --kv-splits ${DENSE_SPLITS:-16 32} \
         ${RKV_SPLITS:+--kv-splits-for rkv=$RKV_SPLITS} \
         --timeout 2400 --window 256 --graphs-own-batch --out "$OUT/long_capacity_32k_393k_rkv_h100.json" \
         -- --mem-fraction-static 0.92 2>&1 | tee "$OUT/$stage.txt" ;;
