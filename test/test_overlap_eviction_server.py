@@ -21,8 +21,8 @@ from conftest import start_server
 
 POOL, CHUNK, BUDGET, INTERVAL = 4096, 64, 48, 8
 METHODS = {
-    "h2o": ["--sparse-budget", str(BUDGET), "--sparse-recent", "12", "--sparse-interval", str(INTERVAL),
-            "--sparse-evict-prefill", "off"],
+    # --sparse-evict-prefill on (its default): also evicts between prompt chunks (CHUNK tokens)
+    "h2o": ["--sparse-budget", str(BUDGET), "--sparse-recent", "12", "--sparse-interval", str(INTERVAL)],
     "rkv": ["--sparse-budget", str(BUDGET), "--sparse-window", "4", "--sparse-interval", str(INTERVAL)],
 }
 N = 12  # concurrent requests
