@@ -6,7 +6,8 @@
 - BEFORE ``ScheduleBatch.prepare_for_decode`` and ``Scheduler.get_new_batch_prefill``: the safe
   point (``apply_safe_point``; before a prefill also for the request between two prompt chunks,
   ``compact_chunked``). The previous step's results are processed (finished requests
-  released), nothing reads the KV, and the next slots are not allocated yet: planned compactions
+  released; under the overlap scheduler not yet: below), nothing reads the KV, and the next
+  slots are not allocated yet: planned compactions
   run here, and the batch's lengths follow the resident rows (``rows.follow_compaction``).
 - BEFORE ``mem_cache.common.release_kv_cache`` (``before_release``): the request leaves
   (finished, aborted, retracted); its method state is dropped before SGLang frees its rows.
