@@ -29,9 +29,6 @@ class KeptRows:
 
 class EvictingRuntime(SparseMethodRuntime):
     evicts_kv = True
-    # Whether --sparse-overlap on (SGLang's overlap scheduler) is allowed: set by the methods
-    # tested under it (test_overlap_eviction_server.py); the launcher refuses the others.
-    overlap_tested = False
     # Requests one ``plan_many`` call plans together at a safe point (1: one by one). A method
     # whose plans batch over requests (R-KV, H2O) sets more: its decode evictions come in waves
     # (every request that reached its interval), and one plan per request costs each its own

@@ -66,6 +66,9 @@ class SparseMethodRuntime:
     graph_decode = False  # True: decode layers go through decode_view_tensors (CUDA-graph safe)
     per_layer_rows = False  # True: compacts per layer (flat-cell store, LayerRowsView attention)
     supports_chains = True  # False: Chain Cache cannot carry this method's state yet
+    # True: an evicting method tested under SGLang's overlap scheduler (test_overlap_eviction_server.py);
+    # the launcher refuses --sparse-overlap on for the others (methods that keep their KV never need it)
+    overlap_tested = False
     needs_engine_probe = False  # True: the engine must prefill a method-built probe after the prompt
     # True: the adapter fills RequestSlice.token_ids and calls use_vocabulary once at start-up
     reads_tokens = False
@@ -293,8 +296,6 @@ class SparseMethodRuntime:
     def has_pending(self, rid: str) -> bool:
         """Whether a physical change is planned for ``rid`` and not applied yet."""
         return False
-
-    overlap_tested = False  # see EvictingRuntime (methods that keep their KV never need it)
 
     def has_any_pending(self) -> bool:
         """Whether a physical change is planned for any request (the adapter waits for a step

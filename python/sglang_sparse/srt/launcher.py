@@ -202,12 +202,10 @@ def sparse_config(argv: list[str], log=logger.info) -> tuple[dict, list[str]]:
             # A streaming session would lend retained rows as if they were logical tokens.
             raise ConfigError(f"--sparse-method {config['method']} evicts KV and cannot run with "
                               "--enable-streaming-session; plain sessions resume through Chain Cache")
-        for flag in ("--disable-radix-cache",) + (() if overlap else ("--disable-overlap-schedule",)):
+        for flag in ["--disable-radix-cache"] + ([] if overlap else ["--disable-overlap-schedule"]):
             if flag not in argv:
                 argv.append(flag)
-                log(f"sglang_sparse: {config['method']} evicts KV physically; added {flag}"
-                    + ("" if flag == "--disable-radix-cache" else " (--sparse-overlap on keeps SGLang's "
-                                                                  "overlap scheduler)"))
+                log(f"sglang_sparse: {config['method']} evicts KV physically; added {flag}")
         if overlap:
             log(f"sglang_sparse: --sparse-overlap on: {config['method']} evicts under SGLang's overlap scheduler "
                 "(experimental: a compaction first waits for the step in flight)")
