@@ -31,9 +31,23 @@ model: install
 serve: install
 	$(PY) -m sglang_sparse.launch_server $(ARGS)
 
-# The default suite (CI): everything but slow and GPU-only tests.
+# The default suite (CI): everything but slow and GPU-only tests. Two parts: the modules in
+# parallel over $(TEST_WORKERS) pytest-xdist workers, a module per worker (each worker's servers
+# bind their threads to its own core: test/conftest.py), then the `whole_machine` modules (several
+# ranks or replicas that bind every core themselves) one at a time. Both parts run; either failing
+# fails the target. TEST_WORKERS=0 runs everything in one serial pytest.
+TEST_WORKERS ?= 2
+DEFAULT_MARKS := not slow and not gpu
+
 test: install
-	$(PY) -m pytest test -m "not slow and not gpu" $(PYTEST_ARGS)
+ifeq ($(TEST_WORKERS),0)
+	$(PY) -m pytest test -m "$(DEFAULT_MARKS)" $(PYTEST_ARGS)
+else
+	status=0; \
+	$(PY) -m pytest test -m "$(DEFAULT_MARKS) and not whole_machine" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) || status=$$?; \
+	$(PY) -m pytest test -m "$(DEFAULT_MARKS) and whole_machine" $(PYTEST_ARGS) || status=$$?; \
+	exit $$status
+endif
 
 test-slow: install
 	$(PY) -m pytest test -m "slow" $(PYTEST_ARGS)

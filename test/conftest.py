@@ -20,6 +20,38 @@ def _has_gpu() -> bool:
         return False
 
 
+def worker_core() -> int | None:
+    """Under ``pytest -n N`` (pytest-xdist, what ``make test`` runs): the core this worker's
+    OpenMP threads and those of every server it starts are bound to (``gw<i>`` gets the i-th
+    core this process may use); None outside a parallel run."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    return cores[int(worker[2:]) % len(cores)]
+
+
+def pytest_configure(config):
+    """A worker of a parallel run gives its own torch one thread and binds the OpenMP threads
+    of every server it starts to its own core (``SGLANG_CPU_OMP_THREADS_BIND``, inherited by the
+    servers' environment); the processes themselves may run on any core, so imports at start-up
+    still spread. Unbound, two servers each spin OpenMP threads on every core against each other:
+    eight server modules took 2.3x their serial time under ``-n 2``; bound, 0.74x. Modules that
+    bind cores themselves (several ranks or replicas) are marked ``whole_machine`` and run after
+    the parallel part, alone."""
+    core = worker_core()
+    if core is None:
+        return
+    os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = str(core)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
+
+
 def pytest_collection_modifyitems(config, items):
     if _has_gpu():
         return

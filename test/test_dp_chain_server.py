@@ -16,6 +16,8 @@ import requests
 
 from conftest import start_server
 
+pytestmark = pytest.mark.whole_machine  # binds its ranks' threads to cores 0 and 1 itself: run alone
+
 BUDGET, POOL = 64, 4096
 ARGS = ["--max-total-tokens", str(POOL), "--chunked-prefill-size", "256", "--log-level", "warning",
         "--sparse-method", "snapkv", "--sparse-budget", str(BUDGET), "--sparse-window", "8", "--dp-size", "2"]

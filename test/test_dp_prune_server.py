@@ -12,6 +12,8 @@ import requests
 
 from conftest import start_server
 
+pytestmark = pytest.mark.whole_machine  # binds its ranks' threads to cores 0 and 1 itself: run alone
+
 POOL = 4096
 ARGS = ["--max-total-tokens", str(POOL), "--chunked-prefill-size", "256", "--log-level", "warning", "--dp-size", "2"]
 

@@ -28,6 +28,8 @@ import bench_replicas as R  # noqa: E402
 
 from sglang_sparse.server_process import ServerProcess  # noqa: E402
 
+pytestmark = pytest.mark.whole_machine  # binds its replicas' threads to cores 0 and 1 itself: run alone
+
 FLAGS = ["--max-total-tokens", "4096", "--chunked-prefill-size", "256", "--log-level", "warning",
          "--sparse-method", "snapkv", "--sparse-budget", "64", "--sparse-window", "8"]
 

@@ -5,7 +5,11 @@ equal ``--tp-size 1`` exactly for dense-length prompts (which also equal HF), fo
 compacted prompts, for Quest's sparse decode and for Palu's latents (each rank its own heads'
 share of the factors), across Chain Cache continuations; every rank
 reports the same slot accounting (``/sparse/stats`` ``tp``), KVzip's global selection keeps the
-ranks together, and ``/prune`` frees the same slots on both ranks. Each server in turn (two cores)."""
+ranks together, and ``/prune`` frees the same slots on both ranks. Each server in turn (two cores).
+
+``make test`` runs SnapKV's pair of servers (compaction, Chain Cache, the ranks' census; 2.5 of
+this module's 7.8 minutes); Quest, Palu and KVzip are ``slow`` (``make test-slow``): their
+per-rank decisions are checked without a server by ``test_tp_agreement.py``."""
 
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ import pytest
 import requests
 
 from conftest import hf_argmax, start_server
+
+pytestmark = pytest.mark.whole_machine  # binds its ranks' threads to cores 0 and 1 itself: run alone
 
 POOL = 4096
 ARGS = ["--max-total-tokens", str(POOL), "--chunked-prefill-size", "256", "--dtype", "float32",
@@ -86,19 +92,29 @@ def palu_turns(url):
             "status": second["meta_info"]["chain_status"], "stats": stats(url)}
 
 
+TURNS = {"snapkv": (SNAPKV, snapkv_turns), "quest": (QUEST, quest_turns), "palu": (PALU, palu_turns)}
+
+
 @pytest.fixture(scope="module")
 def runs(request, model):
-    out = {}
-    for name, method, turns in (("snapkv", SNAPKV, snapkv_turns), ("quest", QUEST, quest_turns),
-                                ("palu", PALU, palu_turns)):
-        for tp in (1, 2):
-            server = serve(request, model, method, tp)
-            out[name, tp] = turns(server.base_url)
+    """``runs[name, tp]``: what ``TURNS[name]`` gave on a server of ``tp`` ranks (``kvzip`` on two
+    only). Each method's servers start when a test first asks for it, one at a time, so a run of
+    the default suite (SnapKV's tests only) starts two servers."""
+
+    class Runs(dict):
+        def __missing__(self, key):
+            name, tp = key
+            if name == "kvzip":
+                server = serve(request, model, KVZIP, 2)
+                self[key] = {"long": gen(server.base_url, ids(300, 5), 8)["output_ids"], "stats": stats(server.base_url)}
+            else:
+                method, turns = TURNS[name]
+                server = serve(request, model, method, tp)
+                self[key] = turns(server.base_url)
             server.stop()
-    server = serve(request, model, KVZIP, 2)
-    out["kvzip", 2] = {"long": gen(server.base_url, ids(300, 5), 8)["output_ids"], "stats": stats(server.base_url)}
-    server.stop()
-    return out
+            return self[key]
+
+    return Runs()
 
 
 def assert_ranks_agree(s):
@@ -128,6 +144,7 @@ def test_a_dense_length_prompt_equals_hf(runs, model):
     assert runs["snapkv", 2]["short"] == hf_argmax(hf, ids(40, 1), 16)
 
 
+@pytest.mark.slow
 def test_quest_tokens_and_prune_with_two_ranks_equal_one_rank(runs):
     one, two = runs["quest", 1], runs["quest", 2]
     assert two["long"] == one["long"]
@@ -139,6 +156,7 @@ def test_quest_tokens_and_prune_with_two_ranks_equal_one_rank(runs):
     assert_ranks_agree(two["stats"])  # the same mask on both ranks: the same slots freed
 
 
+@pytest.mark.slow
 def test_palu_tokens_with_two_ranks_equal_one_rank(runs):
     """Compression: each rank holds the latents of its own head groups (``PaluFactors.shard``)."""
     one, two = runs["palu", 1], runs["palu", 2]
@@ -148,6 +166,7 @@ def test_palu_tokens_with_two_ranks_equal_one_rank(runs):
     assert_ranks_agree(two["stats"])
 
 
+@pytest.mark.slow
 def test_kvzip_ranks_keep_the_same_rows(runs):
     s = runs["kvzip", 2]["stats"]
     assert s["counters"]["compactions"] >= 1
