@@ -216,3 +216,12 @@ def test_a_bad_flag_is_refused_at_start(request, flags, message):
     with pytest.raises(ServerStartError) as err:
         start_server(flags, request, timeout=120)
     assert f"sglang_sparse: error: {message}" in str(err.value)
+
+
+def test_info_lists_the_flat_pool_hook(server):
+    """H2O and R-KV declare ``flat_kv_pool``: the scheduler keeps every layer's rows in one
+    buffer, so an eviction wave moves (and R-KV scores) every layer in one launch."""
+    info = requests.get(server.base_url + "/sparse/info", timeout=60).json()
+    (scheduler,) = info["schedulers"]
+    assert "hook:flat-kv-pool" in scheduler["registrations"], scheduler["registrations"]
+    assert "hook:flat-kv-pool" not in info["launcher"]["registrations"]  # a scheduler-side hook

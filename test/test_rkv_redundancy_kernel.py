@@ -7,7 +7,9 @@ CPU, default suite: the kernel under the Triton interpreter in one subprocess (`
 test_rkv_redundancy_kernel.py --interp``): requests at scattered slots of the pool, row counts
 that are not a multiple of the tile, one row, a zero key, a padded head dim, fp32 / bf16, and the
 refusals; and the kernel compiled for sm_90 without a GPU. GPU (``-m gpu``): a wave of 15 requests at R-KV's capacity shape (2,176 rows, 8 KV
-heads, d 128, bf16) against the reference, timed next to it (printed, not asserted).
+heads, d 128, bf16) against the reference, timed next to it (printed, not asserted); the same
+over every layer of a flat pool in one launch (``rkv_redundancy_layers``), timed next to a launch
+per layer.
 """
 
 from __future__ import annotations
@@ -67,6 +69,34 @@ def case_int32_slots_and_a_strided_table(T):
           torch.float32)
 
 
+def flat_wave(r, n, layers, hkv, d, dtype, seed):
+    """A flat pool of ``layers`` parts (``[layers * S, Hkv, D]``) and ``r`` requests' slots in it."""
+    g = torch.Generator().manual_seed(seed)
+    per_layer = r * n + 5
+    flat = (torch.randn(layers * per_layer, hkv, d, generator=g) * 3).to(dtype)
+    slots = (torch.randperm(per_layer - 1, generator=g)[: r * n] + 1).view(r, n)
+    return flat, slots, per_layer
+
+
+def case_every_layer_in_one_launch(T):
+    """``rkv_redundancy_layers`` over a flat pool equals the reference and, layer by layer, the
+    one-layer kernel on that layer's part."""
+    for r, n, layers, hkv, d, dtype in [(3, 37, 4, 2, 16, torch.float32), (2, 70, 3, 3, 24, torch.bfloat16)]:
+        flat, slots, per_layer = flat_wave(r, n, layers, hkv, d, dtype, seed=n)
+        got = T.rkv_redundancy_layers(flat, slots, layers, block_n=16)
+        assert got.shape == (r, layers, hkv, n) and got.dtype == torch.float32, got.shape
+        close(got, eviction_scores.rkv_redundancy_layers(flat, slots, layers), dtype, f"layers={layers} {dtype}")
+        for layer in range(layers):
+            part = flat[layer * per_layer: (layer + 1) * per_layer]
+            close(got[:, layer], T.rkv_redundancy_rows(part, slots, block_n=16), dtype, f"layer {layer}")
+    try:
+        T.rkv_redundancy_layers(flat[:-1], slots, layers)
+    except ValueError as exc:
+        assert "must be [layers * S, Hkv, D]" in str(exc), str(exc)
+    else:
+        raise AssertionError("a pool that does not split into the layers was not refused")
+
+
 def case_refusals(T):
     k_cache, slots = wave(2, 10, 2, 16, torch.float32, seed=1)
     for bad in (dict(k_cache=k_cache[:, 0], slots=slots), dict(k_cache=k_cache, slots=slots[0])):
@@ -82,9 +112,10 @@ CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.start
 
 
 def _run_cases_here() -> dict:
-    from sgl_kernel_sparse.triton_rkv import rkv_redundancy_rows
+    from sgl_kernel_sparse.triton_rkv import rkv_redundancy_layers, rkv_redundancy_rows
 
-    return run_cases(CASES, SimpleNamespace(rkv_redundancy_rows=rkv_redundancy_rows))
+    return run_cases(CASES, SimpleNamespace(rkv_redundancy_rows=rkv_redundancy_rows,
+                                            rkv_redundancy_layers=rkv_redundancy_layers))
 
 
 test_triton_interpreter = interpreter_test(__file__, CASES)
@@ -139,6 +170,30 @@ def test_gpu_rkv_redundancy_rows():
     print(f"rkv_redundancy_rows 15 x 2,176 rows, 8 KV heads, d 128, bf16: reference (gather + torch) "
           f"{timings['reference']:.3f} ms, kernel {timings['triton']:.3f} ms (one layer)")
     close(outs["triton"], outs["reference"], torch.bfloat16, "capacity shape")
+
+
+@pytest.mark.gpu
+def test_gpu_rkv_redundancy_over_flat_cells_of_every_layer():
+    """A wave batch at the capacity shape over all 36 layers of a flat pool: one launch equals the
+    reference; timed next to 36 one-layer launches (printed, not asserted)."""
+    flat, slots, per_layer = flat_wave(15, 2176, 36, 8, 128, torch.bfloat16, seed=8)
+    flat, slots = flat.cuda(), slots.cuda()
+    layers = [flat[i * per_layer: (i + 1) * per_layer] for i in range(36)]
+    runs = {"one launch": lambda: dispatch.rkv_redundancy_layers(flat, slots, 36),
+            "36 launches": lambda: torch.stack([dispatch.rkv_redundancy_rows(k, slots) for k in layers], dim=1)}
+    got = runs["one launch"]().cpu()
+    close(got, eviction_scores.rkv_redundancy_layers(flat, slots, 36).cpu(), torch.bfloat16, "capacity shape")
+    timings = {}
+    for name, fn in runs.items():
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        timings[name] = start.elapsed_time(end) / 5
+    print(f"rkv redundancy, 15 x 2,176 rows x 36 layers, 8 KV heads, d 128, bf16: {timings} (ms per batch)")
 
 
 if __name__ == "__main__" and "--interp" in sys.argv:

@@ -129,7 +129,7 @@ def test_every_inventory_entry_is_complete():
     for p in PATCHES:
         assert p.kind in kinds and p.why and p.target, p
         assert p.process in ("all", "main", "scheduler") and p.when in (
-            "cpu", "active", "evicting", "per_layer_rows", "payload_pool", "chain_cache", "engine_probe", "projects_kv",
+            "cpu", "active", "evicting", "flat_kv_pool", "payload_pool", "chain_cache", "engine_probe", "projects_kv",
             "check_integrity"), p
         if p.kind in LISTED_KINDS:
             assert not p.handler and (not p.applied_by or p.applied_by in names), p

@@ -192,7 +192,8 @@ for stage in "$@"; do
     tests-wave)  # tests-decode-scores without its server tests (~1 min): the scoring and redundancy kernels
       # next to their references, and the wave's compaction on the device == the CPU's
       gpu_tests "$stage-kernel" -s test/test_decode_scores_kernel.py
-      gpu_tests "$stage" -s test/test_rkv_redundancy_kernel.py test/test_contract_core.py ;;
+      gpu_tests "$stage" -s test/test_rkv_redundancy_kernel.py test/test_contract_core.py \
+        test/test_sparse_kernels.py -k "redundancy or compact or contract" ;;
     capacity-rkv-step)  # R-KV's decode step at capacity393k-rkv's rows per request (budget 2,048 + interval 128)
       # with 4K prompts instead of 32K, so 179 fill the 393,216 pool in ~1 min of prefill (0.92: an 80 GB card)
       timeout 420 python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 393216 \

@@ -175,6 +175,7 @@ def _exercise(dtypes) -> None:
         T.snapkv_window_scores(torch.zeros(32, hq, d, dtype=dt), kc)
         T.snapkv_window_scores(torch.zeros(32, hq, d, dtype=dt), kc, slots=torch.arange(100))
         T.compact_kv(kc, kc, torch.zeros(hkv, 100, dtype=torch.int64), torch.arange(100))
+        T.compact_kv(kc, kc, torch.zeros(hkv, 100, dtype=torch.int64), torch.arange(100), segment=50)
         kmin = torch.zeros(b, 64, hkv, d, dtype=dt)
         T.quest_page_scores(q, kmin, kmin, req + 10)
         sel = torch.zeros(b, 512, dtype=torch.int32)

@@ -42,6 +42,7 @@ class CacheManager:
         self.counters = {"compactions": 0, "slots_released": 0}
         # Device mirror of per-layer maps for graph-safe decode (``enable_cell_tables``), or None.
         self.cell_tables: CellTables | None = None
+        self._flat = None  # flat_pool(), once asked: a tuple, or False
 
     def enable_cell_tables(self) -> CellTables:
         """Keep ``CellTables`` in step with every request's map (methods with per-layer rows
@@ -125,9 +126,11 @@ class CacheManager:
     def compact_rows_many(self, rids: list[str], rows: torch.Tensor) -> list[int]:
         """``compact_rows`` for several requests at one safe point, ``rows [R, layers, kv_heads,
         B]`` (request i keeps ``rows[i]``): one check on the device for all of them (one read
-        back), their new positions gathered on the device, one KV move per layer over all their
-        rows (their slots are disjoint: a slot holds one row of one request), one release to the
-        allocator. Returns the slots freed per request."""
+        back), then, for requests holding the same number of rows (a decode wave), work that does
+        not grow with the batch (``_compact_equal``): one read of the slot table, their new
+        positions gathered as one tensor, one KV move over every layer of a flat pool (else one
+        per layer; their slots are disjoint: a slot holds one row of one request), one release to
+        the allocator. Returns the slots freed per request."""
         states = [self.requests[rid] for rid in rids]
         if rows.dim() != 4 or rows.shape[0] != len(rids) or any(
                 tuple(rows.shape[1:3]) != (self.store.num_layers, s.retained.kv_heads) for s in states):
@@ -138,50 +141,116 @@ class CacheManager:
         if not todo:
             return [0] * len(rids)
         rows = rows[todo] if len(todo) < len(rids) else rows
-        n = torch.tensor([states[i].retained.n_rows for i in todo], device=rows.device).view(-1, 1, 1, 1)
+        held = [states[i].retained.n_rows for i in todo]
+        n = torch.tensor(held, device=rows.device).view(-1, 1, 1, 1)
         # every check on the device, one read back (one request's refusal refuses the batch: a
         # method's plan is wrong, nothing has moved yet)
         bad = torch.stack([(rows < 0).any(), (rows >= n).any(), (rows.diff(dim=-1) <= 0).any()]).cpu()
         if bool(bad[0]) or bool(bad[1]):
-            held = n.flatten().tolist()
             raise IndexError(f"kept rows must lie in [0, n_rows) of their request (n_rows {held[0] if len(held) == 1 else held}), "
                              f"got [{int(rows.min())}, {int(rows.max())}]")
         if bool(bad[2]):
             raise ValueError("kept rows must be strictly ascending per layer and KV head")
-        # The new positions are gathered where the rows are: no copy of the rows to the host (on
-        # an H100 a wave of 179 requests' rows, 840 MB of int64, took 0.45 s to copy, and their
-        # host-side gathers most of the rest of the wave's 0.9 s of host time). Off the CPU the
-        # map's positions stay on the device as int32 until the host reads them
-        # (RetainedMap.host_kept).
-        dtype = torch.int64 if rows.device.type == "cpu" else torch.int32
-        freed, got = [], [0] * len(rids)
-        src, dst = [], []
-        for j, i in enumerate(todo):
-            state = states[i]
-            ret = state.retained
-            slots = self._resident_slots(state)
-            src.append(slots[rows[j].to(slots.device)])  # [layers, heads, B]
-            dst.append(slots[:budget])
-            held = ret.device_kept(rows.device, dtype)  # positions of rows [0, k); rows [k, n) are appended
-            if held is None:  # identity: row r holds position r (as all_positions)
-                held = torch.arange(ret.n_rows, device=rows.device, dtype=dtype)
-                held = held.expand(self.store.num_layers, ret.kv_heads, ret.n_rows)
-            elif held.shape[2] < ret.n_rows:
-                tail = ret.n_rows - held.shape[2]
-                new = torch.arange(ret.logical_len - tail, ret.logical_len, device=rows.device, dtype=dtype)
-                held = torch.cat([held, new.expand(self.store.num_layers, ret.kv_heads, tail)], dim=2)
-            ret.keep(held.gather(2, rows[j]), owned=True)
-            self.store.truncate_rows(state.req_row, budget)
-            freed.append(slots[budget:])
-            got[i] = len(freed[-1])
-        src_all, dst_all = torch.cat(src, dim=2), torch.cat(dst)
-        for layer in range(self.store.num_layers):
-            # sources are read before any destination is written (a request's ranges overlap)
-            self.store.move_kv(layer, src_all[layer], dst_all)
-        self.store.free_slots(torch.cat(freed))
+        batch = [states[i] for i in todo]
+        if len(set(held)) == 1:
+            freed = self._compact_equal(batch, rows)
+        else:
+            freed = [self._compact_equal([s], rows[j: j + 1])[0] for j, s in enumerate(batch)]
+        got = [0] * len(rids)
+        for i, f in zip(todo, freed):
+            got[i] = f
         self.counters["compactions"] += len(todo)
-        self.counters["slots_released"] += sum(got)
+        self.counters["slots_released"] += sum(freed)
         return got
+
+    def _compact_equal(self, states: list[RequestState], rows: torch.Tensor) -> list[int]:
+        """Requests that all hold ``n`` rows keep ``rows [R, layers, kv_heads, B]`` (checked):
+        request r's row i of layer l / head h takes the entry of row ``rows[r, l, h, i]`` and
+        holds the position that row held; rows ``[B, n)`` are released. A constant number of
+        device operations whatever R (a wave's host time was its launches, one set per request)."""
+        layers, heads, budget = rows.shape[1:]
+        n = states[0].retained.n_rows
+        slots = self.store.rows_slots(torch.tensor([s.req_row for s in states]), n)  # [R, n] int64
+        rows_here = rows.to(slots.device)
+        src = slots.gather(1, rows_here.flatten(1)).view(rows_here.shape)  # [R, L, H, B] source slots
+        # The new positions are gathered where the rows are: no copy of the rows to the host (on
+        # an H100 a wave of 179 requests' rows, 840 MB of int64, took 0.45 s to copy). Off the CPU
+        # the maps' positions stay on the device as int32 until the host reads them
+        # (RetainedMap.host_kept). Each request keeps a view of the batch's [R, L, H, B] tensor,
+        # freed once every one of them is compacted again, released or parked (a parked copy is
+        # the host's own: RetainedMap.__deepcopy__).
+        dtype = torch.int64 if rows.device.type == "cpu" else torch.int32
+        kept = self._positions(states, n, rows.device, dtype).gather(3, rows)
+        for j, state in enumerate(states):
+            state.retained.keep(kept[j], owned=True)
+            self.store.truncate_rows(state.req_row, budget)
+        self._move_rows(src, slots[:, :budget])
+        self.store.free_slots(slots[:, budget:].flatten())  # no row points at these any more
+        return [n - budget] * len(states)
+
+    def _positions(self, states: list[RequestState], n: int, device, dtype) -> torch.Tensor:
+        """``[R, layers, kv_heads, n]``: the logical position each row of each request holds (all
+        holding ``n`` rows), on ``device``: identity maps, or the last compaction's kept positions
+        followed by the rows appended since (``RetainedMap``: rows ``[k, n)`` hold positions
+        ``[logical_len - (n - k), logical_len)``)."""
+        layers, heads = self.store.num_layers, states[0].retained.kv_heads
+        count = len(states)
+        kept = [s.retained.device_kept(device, dtype) for s in states]
+        widths = {k.shape[2] for k in kept if k is not None}
+        if all(k is None for k in kept):  # identity: row r holds position r
+            return torch.arange(n, device=device, dtype=dtype).expand(count, layers, heads, n)
+        if len(widths) == 1 and all(k is not None for k in kept):
+            width = widths.pop()
+            out = torch.stack(kept)  # [R, L, H, width]
+        else:  # mixed: each request's own [L, H, n]
+            width, out = n, torch.stack([self._positions_one(s.retained, k, n, device, dtype)
+                                         for s, k in zip(states, kept)])
+        tail = n - width
+        if tail:
+            start = torch.tensor([s.retained.logical_len - tail for s in states], dtype=dtype).to(device)
+            new = start.view(-1, 1) + torch.arange(tail, device=device, dtype=dtype)  # [R, tail]
+            out = torch.cat([out, new.view(count, 1, 1, tail).expand(count, layers, heads, tail)], dim=3)
+        return out
+
+    def _positions_one(self, ret: RetainedMap, kept, n: int, device, dtype) -> torch.Tensor:
+        if kept is None:
+            return torch.arange(n, device=device, dtype=dtype).expand(self.store.num_layers, ret.kv_heads, n)
+        tail = n - kept.shape[2]
+        new = torch.arange(ret.logical_len - tail, ret.logical_len, device=device, dtype=dtype)
+        return torch.cat([kept, new.expand(self.store.num_layers, ret.kv_heads, tail)], dim=2)
+
+    def _move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Request r's row i of layer l / head h takes the KV of slot ``src[r, l, h, i]`` into slot
+        ``dst[r, i]``, every layer. A flat pool: one in-place move over flat cells, entries in
+        runs of B per (request, layer) in row order (``compact_kv(segment=B)``: a compaction
+        never reads a row that an earlier entry of its run wrote). Else one move per layer."""
+        count, layers, heads, budget = src.shape
+        flat = self.flat_pool()
+        if flat is None:
+            for layer in range(layers):
+                # sources are read before any destination is written (a request's ranges overlap)
+                self.store.move_kv(layer, src[:, layer].transpose(0, 1).reshape(heads, -1), dst.reshape(-1))
+            return
+        flat_k, flat_v, per_layer = flat
+        base = torch.arange(layers, device=src.device) * per_layer  # cell of (layer l, slot 0)
+        src_cells = (src + base.view(1, layers, 1, 1)).permute(2, 0, 1, 3).reshape(heads, -1)  # [H, R*L*B]
+        dst_cells = (dst.view(count, 1, budget) + base.view(1, layers, 1)).reshape(-1)  # [R*L*B]
+        compact_kv(flat_k, flat_v, src_cells.to(flat_k.device), dst_cells.to(flat_k.device), segment=budget)
+
+    def flat_pool(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """``(flat K, flat V, slots per layer)`` when the store keeps every layer in one tensor of
+        the KV's own dtype (``[layers * S, H, d]``, layer l's slot s at cell ``l * S + s``); None
+        otherwise: per-layer buffers, or an fp8 pool stored as bytes (its flat tensor holds no
+        numbers). Asked once: the pool never changes."""
+        if self._flat is None:
+            self._flat = False
+            try:
+                k, v = self.store.flat_kv()
+            except (RuntimeError, AttributeError, NotImplementedError):
+                k = None
+            if k is not None and k.dtype == self.store.k_buffer(0).dtype:
+                self._flat = (k, v, k.shape[0] // self.store.num_layers)
+        return self._flat or None
 
     def _compact_rows(self, state: RequestState, src_rows: torch.Tensor, keep: torch.Tensor) -> int:
         """Row i of layer l / KV head h takes the entry of row ``src_rows[l, h, i]`` (>= i), which
@@ -284,6 +353,15 @@ class CacheManager:
     def _resident_slots(self, state: RequestState) -> torch.Tensor:
         """Slots of the request's resident rows ``[0, n_rows)``, in row order."""
         return self.store.row_slots(state.req_row, 0, state.retained.n_rows).to(torch.int64)
+
+    def resident_slots_many(self, rids: list[str]) -> torch.Tensor:
+        """``[R, n]``: the slots of the resident rows of requests that all hold ``n`` rows (a wave
+        planned together), one read of the slot table, on its device."""
+        states = [self.requests[rid] for rid in rids]
+        n = states[0].retained.n_rows
+        if any(s.retained.n_rows != n for s in states):
+            raise ValueError(f"requests hold {sorted({s.retained.n_rows for s in states})} rows: one count only")
+        return self.store.rows_slots(torch.tensor([s.req_row for s in states]), n).to(torch.int64)
 
     def resident_slots(self, rid: str) -> torch.Tensor:
         """Slots of a request's resident rows ``[0, n_rows)`` in row order (valid until its rows

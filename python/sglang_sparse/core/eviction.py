@@ -35,11 +35,15 @@ class EvictingRuntime(SparseMethodRuntime):
     # kernel launches and host round trips.
     plan_batch = 1
 
-    @staticmethod
-    def wave_batch(rows_each: int) -> int:
-        """``plan_batch`` for a method whose requests hold ``rows_each`` rows at a decode eviction:
-        about 32K rows per batch, so what a batch holds per layer stays small next to the pool."""
-        return max(1, 32768 // rows_each)
+    def wave_batch(self, rows_each: int) -> int:
+        """``plan_batch`` for a method whose requests hold ``rows_each`` rows at a decode eviction.
+        A batch's host work does not grow with its requests (``CacheManager.compact_rows_many``),
+        so batches are as large as their scratch allows: 64K rows on CUDA (a batch's
+        ``[R, layers, kv_heads, n]`` scores, ~75 MB each in fp32 for a 36-layer, 8-KV-head model),
+        32K elsewhere (where the reference also gathers one layer's keys in fp32 at a time:
+        ``[R, n, kv_heads, d]``, ~134 MB for that shape)."""
+        rows = 65536 if self.cache.store.k_buffer(0).is_cuda else 32768
+        return max(1, rows // rows_each)
 
     def __init__(self, cache, oracle=None) -> None:
         super().__init__(cache, oracle)

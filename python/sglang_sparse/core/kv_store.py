@@ -32,6 +32,10 @@ class KVStore(Protocol):
     def row_slots(self, req_row: int, start: int, end: int) -> torch.Tensor:
         """int64 slots of rows ``[start, end)`` of a request. Valid until the rows change."""
 
+    def rows_slots(self, req_rows: torch.Tensor, n: int) -> torch.Tensor:
+        """``[R, n]`` int64: the slots of rows ``[0, n)`` of several requests (``req_rows [R]``),
+        in one read of the slot table."""
+
     def free_slots(self, slots: torch.Tensor) -> None:
         """Return slots to the allocator. Each slot must be freed exactly once."""
 
@@ -93,6 +97,9 @@ class TensorKVStore:
 
     def row_slots(self, req_row: int, start: int, end: int) -> torch.Tensor:
         return self.table[req_row, start:end]
+
+    def rows_slots(self, req_rows: torch.Tensor, n: int) -> torch.Tensor:
+        return self.table[req_rows.to(self.table.device), :n]
 
     def free_count(self) -> int:
         return len(self._free) * self.page_size

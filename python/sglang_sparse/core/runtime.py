@@ -65,6 +65,11 @@ class SparseMethodRuntime:
     evicts_kv = False  # True: releases KV slots during a request (needs physical eviction support)
     graph_decode = False  # True: decode layers go through decode_view_tensors (CUDA-graph safe)
     per_layer_rows = False  # True: compacts per layer (flat-cell store, LayerRowsView attention)
+    # True: asks for SGLang's pool as one tensor over every layer (flat cells, ``kv_store``) so that
+    # a batch of compactions moves every layer's rows in one kernel and reads any layer's keys in
+    # one launch (R-KV, H2O); unlike ``per_layer_rows`` the method also runs without it (a layout
+    # or an fp8 pool stored as bytes: ``CacheManager.flat_pool`` is None, one launch per layer)
+    flat_kv_pool = False
     supports_chains = True  # False: Chain Cache cannot carry this method's state yet
     # True: an evicting method tested under SGLang's overlap scheduler (test_overlap_eviction_server.py);
     # the launcher refuses --sparse-overlap on for the others (methods that keep their KV never need it)

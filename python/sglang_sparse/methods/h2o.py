@@ -63,7 +63,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from sgl_kernel_sparse.eviction_scores import h2o_select
 
 from sglang_sparse.core.eviction import EvictingRuntime, KeptRows
@@ -93,6 +92,7 @@ class H2OConfig:
 class H2ORuntime(AccumulatedAttentionHooks, EvictingRuntime):
     graph_decode = True
     overlap_tested = True
+    flat_kv_pool = True  # a wave's moves over every layer in one launch (CacheManager.compact_rows_many)
 
     def __init__(self, cache, config: H2OConfig | None = None) -> None:
         self.config = config or H2OConfig()
@@ -116,7 +116,7 @@ class H2ORuntime(AccumulatedAttentionHooks, EvictingRuntime):
         plans: list[KeptRows | None] = [None] * len(rids)
         for n, idx in self.by_row_count(rids, c.budget).items():
             # [R, n]: row i of every layer and head of request r lives in slots[r, i]
-            slots = torch.stack([self.cache.resident_slots(rids[i]) for i in idx])
+            slots = self.cache.resident_slots_many([rids[i] for i in idx]).to(self.scores.t.device)
             scores = self.scores.rows(slots.flatten()).unflatten(2, (len(idx), n)).permute(2, 0, 1, 3)  # [R, L, Hkv, n]
             rows = h2o_select(scores, c.budget, c.recent)  # [R, layers, Hkv, budget]
             # kept rows' scores go where their KV goes: row i of request r to slots[r, i]

@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from sgl_kernel_sparse import rkv_redundancy_rows
+from sgl_kernel_sparse import rkv_redundancy_layers, rkv_redundancy_rows
 from sgl_kernel_sparse.eviction_scores import rkv_select
 
 from sglang_sparse.core.eviction import EvictingRuntime, KeptRows
@@ -75,6 +75,7 @@ class RKVConfig:
 class RKVRuntime(EvictingRuntime):
     graph_decode = True
     overlap_tested = True
+    flat_kv_pool = True  # a wave's redundancy (every layer) and its moves in one launch each
 
     def __init__(self, cache, config: RKVConfig | None = None) -> None:
         self.config = config or RKVConfig()
@@ -83,8 +84,7 @@ class RKVRuntime(EvictingRuntime):
         self.scores = SlotScores(cache.store, cache.kv_heads)  # the buffer's accumulated attention
         self.fire_at = c.budget + c.interval  # rows at which a decode eviction fires
         # decode evictions come in waves (requests that started together reach budget + interval
-        # together), planned ~32K rows at a time (off CUDA the reference gathers a batch's keys of
-        # a layer: [R, Hkv, n, D] in fp32, ~134 MB for the 8B shape; on CUDA only [R, Hkv, n] scores)
+        # together), planned in batches of 64K rows on CUDA, 32K elsewhere (EvictingRuntime.wave_batch)
         self.plan_batch = self.wave_batch(self.fire_at)
 
     def on_prefill_chunk(self, layer: LayerInput) -> None:
@@ -113,28 +113,34 @@ class RKVRuntime(EvictingRuntime):
         return self.plan_many([rid])[0]
 
     def plan_many(self, rids: list[str]) -> list[KeptRows | None]:
-        """Requests holding the same number of rows are planned together (a decode wave: every
-        one at ``budget + interval``): one gather of their scores, and per layer one redundancy
-        read from the pool (``rkv_redundancy_rows``) and one ``rkv_select`` over ``[R, Hkv, n]``,
-        instead of that per request."""
+        """Requests holding the same number of rows (a decode wave: every one at ``budget +
+        interval``) are planned together, whatever their number in a constant number of
+        operations: one read of their slots, one gather of their scores, the redundancy of every
+        layer (``redundancy``) and one ``rkv_select`` over ``[R, layers, Hkv, n]``."""
         c = self.config
         plans: list[KeptRows | None] = [None] * len(rids)
         for n, idx in self.by_row_count(rids, c.budget).items():
             # [R, n]: row i of every layer and head of request r lives in slots[r, i]
             # (the scores live on the pool's device: SlotScores)
-            slots = torch.stack([self.cache.resident_slots(rids[i]) for i in idx]).to(self.scores.t.device)
+            slots = self.cache.resident_slots_many([rids[i] for i in idx]).to(self.scores.t.device)
             # [L, R, n, Hkv] -> [R, L, Hkv, n]: mean over the buffer and the group
             importance = self.scores.t[:, slots].permute(1, 0, 3, 2) / (c.window * self.scores.group)
-            keep = []
-            for layer in range(self.cache.store.num_layers):
-                # [R, Hkv, n]: on CUDA read from the pool by one kernel (no gather, no fp32 copy)
-                redundancy = rkv_redundancy_rows(self.cache.store.k_buffer(layer), slots)
-                keep.append(rkv_select(importance[:, layer], None, c.budget, c.window, c.alpha, c.kernel,
-                                       redundancy=redundancy))  # [R, Hkv, budget] rows, ascending per head
+            kept = rkv_select(importance, None, c.budget, c.window, c.alpha, c.kernel,
+                              redundancy=self.redundancy(slots))  # [R, layers, Hkv, budget], ascending
             self.scores.clear(slots.flatten())  # the buffer starts over
-            kept = torch.stack(keep, dim=1)  # [R, layers, Hkv, budget]
             for j, i in enumerate(idx):
                 plans[i] = KeptRows(kept[j])
             self.bump("evictions", len(idx))
             self.bump("rows_released", len(idx) * (n - c.budget))
         return plans
+
+    def redundancy(self, slots: torch.Tensor) -> torch.Tensor:
+        """``[R, layers, Hkv, n]`` for the rows at ``slots [R, n]``, read from the pool: over a flat
+        pool every layer in one launch (``rkv_redundancy_layers``; on CUDA ``R x Hkv x layers``
+        programs), else layer by layer (an fp8 pool stored as bytes, a layout SGLang does not
+        allocate flat)."""
+        store, flat = self.cache.store, self.cache.flat_pool()
+        if flat is not None:
+            return rkv_redundancy_layers(flat[0], slots.to(flat[0].device), store.num_layers)
+        return torch.stack([rkv_redundancy_rows(store.k_buffer(layer), slots)
+                            for layer in range(store.num_layers)], dim=1)

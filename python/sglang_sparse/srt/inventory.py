@@ -15,7 +15,8 @@ in, the condition, and why. Kinds:
 
 Conditions: ``cpu`` (CPU serving, even for plain ``sglang.launch_server``: SGLang 0.5.23 needs it
 there), ``active`` (a server started by ``sglang_sparse.launch_server``), ``evicting`` (its
-method evicts KV), ``per_layer_rows`` (its method compacts per layer: one flat KV allocation),
+method evicts KV), ``flat_kv_pool`` (its method compacts per layer or moves a wave's rows over
+every layer at once: one flat KV allocation),
 ``payload_pool`` (its method keeps KV in its own store: a share of the pool's bytes),
 ``chain_cache`` (Chain Cache on), ``engine_probe`` (its method prefills a probe after the prompt),
 ``projects_kv`` (its method replaces the model's K/V projection: Palu's low-rank factors),
@@ -42,7 +43,7 @@ class Patch:
     target: str
     handler: str  # "module:attribute" under sglang_sparse.srt ("" for listed kinds)
     process: str  # "all" | "main" | "scheduler"
-    when: str  # "cpu" | "active" | "evicting" | "per_layer_rows" | "payload_pool" | "chain_cache" | "engine_probe"
+    when: str  # "cpu" | "active" | "evicting" | "flat_kv_pool" | "payload_pool" | "chain_cache" | "engine_probe"
     #            | "projects_kv" | "check_integrity"
     why: str
     methods: tuple[str, ...] = ()  # routes
@@ -103,9 +104,10 @@ PATCHES: tuple[Patch, ...] = (
           "engine.rows:before_model_forward", "scheduler", "active",
           "RoPE positions stay logical for rows with evicted or pruned tokens before them (eager and graphs)"),
     Patch("hook:flat-kv-pool", "around", f"{S}mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal",
-          "engine.flat_pool:around_create_buffers", "scheduler", "per_layer_rows",
+          "engine.flat_pool:around_create_buffers", "scheduler", "flat_kv_pool",
           "allocate every layer's K (and V) as one tensor, so a layer's kept rows can live in cells of "
-          "another layer's part and per-layer budgets free whole slots (docs/kv_payload.md)"),
+          "another layer's part and per-layer budgets free whole slots (docs/kv_payload.md), and a wave "
+          "of evictions moves and reads every layer's rows in one launch (R-KV, H2O)"),
     Patch("hook:payload-pool-size", "around", f"{S}model_executor.pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes",
           "engine.payload_pool:around_pool_sizes", "scheduler", "payload_pool",
           "a method with its own KV store (KIVI) gets its share of the pool's bytes; SGLang keeps the rest as slots"),

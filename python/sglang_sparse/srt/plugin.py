@@ -41,17 +41,17 @@ def load() -> None:
 def _conditions() -> dict[str, bool]:
     active = activation.is_active()
     config = activation.load_config() if active else {}
-    evicting = per_layer = payload = probe = projects = False
+    evicting = per_layer = flat = payload = probe = projects = False
     if active:
         from sglang_sparse.methods import build_config, get_method
 
         method = config.get("method", "dense")
         runtime = get_method(method).runtime_cls
         evicting, per_layer, probe = runtime.evicts_kv, runtime.per_layer_rows, runtime.needs_engine_probe
-        projects = runtime.projects_kv
+        projects, flat = runtime.projects_kv, runtime.flat_kv_pool
         payload = runtime.pool_split(build_config(method, config.get("options"))) is not None
     return {"cpu": platform.cpu_requested(), "active": active, "evicting": active and evicting,
-            "per_layer_rows": active and per_layer, "payload_pool": active and payload,
+            "flat_kv_pool": active and (per_layer or flat), "payload_pool": active and payload,
             "chain_cache": active and bool(config.get("chain_cache")),
             "engine_probe": active and probe, "projects_kv": active and projects,
             "check_integrity": active and os.environ.get("SGLANG_SPARSE_CHECK_INTEGRITY", "") not in ("", "0")}

@@ -184,6 +184,14 @@ def rkv_redundancy_rows(k_cache, slots, **triton_kwargs):
     return eviction_scores.rkv_redundancy_rows(k_cache, slots)
 
 
+def rkv_redundancy_layers(flat_k, slots, num_layers, **triton_kwargs):
+    """``eviction_scores.rkv_redundancy_layers``: on CUDA one Triton launch over every layer of the
+    flat pool (``triton_rkv``), elsewhere the reference, layer by layer."""
+    if use_triton(flat_k, slots):
+        return _triton_ops().rkv_redundancy_layers(flat_k, slots, num_layers, **triton_kwargs)
+    return eviction_scores.rkv_redundancy_layers(flat_k, slots, num_layers)
+
+
 # Other selections stay in torch on every device (stable sorts: ties -> lower index).
 snapkv_select = reference.snapkv_select
 stable_topk = reference.stable_topk

@@ -99,6 +99,14 @@ def rkv_redundancy_rows(k_cache, slots):
     return rkv_redundancy(k_cache[slots.long()].transpose(1, 2))
 
 
+def rkv_redundancy_layers(flat_k, slots, num_layers):
+    """``rkv_redundancy_rows`` of every layer of a flat pool: ``flat_k [layers * S, Hkv, D]`` (layer
+    l's slot s is row ``l * S + s``), ``slots [R, n]`` -> ``[R, layers, Hkv, n]``; layer by layer
+    (one layer's gathered keys at a time)."""
+    per_layer = flat_k.view(num_layers, -1, *flat_k.shape[1:])
+    return torch.stack([rkv_redundancy_rows(per_layer[layer], slots) for layer in range(num_layers)], dim=1)
+
+
 def rkv_select(importance, keys, budget, window, alpha, kernel, redundancy=None):
     """R-KV's kept rows of one layer: importance ``[Hkv, n]`` (mean attention of the buffered
     queries), keys ``[Hkv, n, D]``; or of several layers / requests at once, ``[..., Hkv, n]``

@@ -8,7 +8,7 @@ from .triton_decode_scores import decode_attention_add
 from .triton_kvzip import kvzip_probe_scores
 from .triton_paged_gqa import paged_gqa_decode_attention
 from .triton_omnikv import rows_tail_decode_attention, token_logits
-from .triton_rkv import rkv_redundancy_rows
+from .triton_rkv import rkv_redundancy_layers, rkv_redundancy_rows
 from .triton_quest import quest_fold_decode_keys, quest_page_scores, quest_page_scores_paged
 from .triton_select import select_top
 from .triton_snapkv import snapkv_window_scores
@@ -24,6 +24,7 @@ __all__ = [
     "quest_fold_decode_keys",
     "quest_page_scores",
     "quest_page_scores_paged",
+    "rkv_redundancy_layers",
     "rkv_redundancy_rows",
     "rows_tail_decode_attention",
     "select_top",

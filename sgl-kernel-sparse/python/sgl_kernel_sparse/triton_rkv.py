@@ -8,6 +8,11 @@ twice (pass 1: the sum of the unit keys; pass 2: each row's dot with it), in fp3
 ``[R, Hkv, n]``; the softmax over rows stays in torch. It replaces, per layer of an eviction wave,
 a gather of the keys, their fp32 copy and four reductions over it (about 0.2 s of a 179-request
 wave on an H100, `docs/measured.md`).
+
+``rkv_redundancy_layers``: the same for every layer of a flat pool (``[layers * S, Hkv, D]``, SGLang's
+pool as one allocation, ``flat_kv_pool``) in one launch of ``R x Hkv x layers`` programs. One
+layer's launch has ``R x Hkv`` (a wave batch of 15 requests, 8 KV heads: 120 programs on 132 SMs,
+each looping over ~2K rows), and a wave paid 36 of them per batch.
 """
 
 from __future__ import annotations
@@ -21,11 +26,14 @@ from .triton_common import check_device, check_rows, pow2
 
 @triton.jit
 def _rkv_mean_similarity_kernel(
-    K, SLOTS, OUT, n, s_ks, s_kh, s_sr, s_or, s_oh,
+    K, SLOTS, OUT, n, s_ks, s_kh, s_kl, s_sr, s_or, s_oh, s_ol,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
+    layer = tl.program_id(2).to(tl.int64)  # 0 for one layer's buffer
+    K += layer * s_kl
+    OUT += layer * s_ol
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     total = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -57,17 +65,34 @@ def rkv_redundancy_rows(k_cache, slots, block_n=None):
     if k_cache.dim() != 3 or slots.dim() != 2:
         raise ValueError(f"k_cache must be [S, Hkv, D] and slots [R, n], got {tuple(k_cache.shape)} "
                          f"and {tuple(slots.shape)}")
+    return _redundancy(k_cache, slots, 1, block_n)[:, 0]
+
+
+def rkv_redundancy_layers(flat_k, slots, num_layers, block_n=None):
+    """Triton version of ``eviction_scores.rkv_redundancy_layers``: ``flat_k [layers * S, Hkv, D]``
+    (layer l's slot s is cell ``l * S + s``), ``slots [R, n]`` (the same slot in every layer) ->
+    ``[R, layers, Hkv, n]`` fp32, softmax over the rows, in one launch."""
+    if flat_k.dim() != 3 or slots.dim() != 2 or num_layers < 1 or flat_k.shape[0] % num_layers:
+        raise ValueError(f"flat_k must be [layers * S, Hkv, D] for {num_layers} layers and slots [R, n], "
+                         f"got {tuple(flat_k.shape)} and {tuple(slots.shape)}")
+    return _redundancy(flat_k, slots, num_layers, block_n)
+
+
+def _redundancy(k_cache, slots, layers, block_n):
+    """``[R, layers, Hkv, n]`` over ``layers`` equal parts of ``k_cache``'s rows."""
     check_rows(k_cache)
     check_device(slots)
     slots = slots.contiguous()
     r, n = slots.shape
     _, hkv, d = k_cache.shape
-    out = torch.empty(r, hkv, n, dtype=torch.float32, device=k_cache.device)
+    out = torch.empty(r, layers, hkv, n, dtype=torch.float32, device=k_cache.device)
     if r and n:
         block_d = pow2(d, 16)
         block_n = block_n or max(16, min(64, 8192 // block_d))
-        _rkv_mean_similarity_kernel[(r, hkv)](
-            k_cache, slots, out, n, k_cache.stride(0), k_cache.stride(1), slots.stride(0),
-            out.stride(0), out.stride(1), D=d, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4,
+        layer_rows = k_cache.shape[0] // layers
+        _rkv_mean_similarity_kernel[(r, hkv, layers)](
+            k_cache, slots, out, n, k_cache.stride(0), k_cache.stride(1), layer_rows * k_cache.stride(0),
+            slots.stride(0), out.stride(0), out.stride(2), out.stride(1),
+            D=d, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4,
         )
     return out.softmax(dim=-1)

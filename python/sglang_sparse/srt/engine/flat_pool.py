@@ -1,11 +1,13 @@
-"""One allocation for every layer's KV (methods with per-layer rows, e.g. PyramidKV).
+"""One allocation for every layer's KV (methods with per-layer rows, e.g. PyramidKV, and
+``flat_kv_pool`` methods, H2O and R-KV, whose eviction waves move and score every layer at once).
 
 SGLang allocates one ``[2, slots, H, D]`` tensor per layer (K and V halves). Here the same bytes
 come as one ``[2, layers, slots, H, D]`` tensor, and SGLang's ``k_buffer[l]`` / ``v_buffer[l]``
 are its views, so every SGLang kernel works unchanged while the store (``engine/kv_store.py``)
 can address any layer's part: flat cell ``layer * slots + slot`` (``core/kv_store.py``). Only the
 plain token-major layout is supported (the only one SGLang's triton / torch_native backends use);
-for any other the original allocation runs and the controller refuses to start.
+for any other the original allocation runs: the controller refuses to start a per-layer method,
+and a ``flat_kv_pool`` method falls back to one launch per layer (``CacheManager.flat_pool``).
 """
 
 from __future__ import annotations

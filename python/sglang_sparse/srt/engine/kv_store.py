@@ -25,6 +25,9 @@ class SGLangKVStore:
     def row_slots(self, req_row: int, start: int, end: int) -> torch.Tensor:
         return self.req_to_token[req_row, start:end].to(torch.int64)
 
+    def rows_slots(self, req_rows: torch.Tensor, n: int) -> torch.Tensor:
+        return self.req_to_token[req_rows.to(self.req_to_token.device), :n].to(torch.int64)
+
     def free_slots(self, slots: torch.Tensor) -> None:
         self.allocator.free(slots)
 
