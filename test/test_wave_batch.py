@@ -8,8 +8,9 @@ it; before, each request of a wave cost its own launches (about 700 per batch of
 
 Checked: the batch's plans and compactions equal the same requests planned and compacted one at
 a time (KV, maps, free slots), over a flat pool and over per-layer buffers alike; the number of
-non-view torch operations of a wave batch is the same for 2 and 6 requests; a batch of unequal
-row counts is refused where it must be."""
+non-view torch operations of a wave batch is the same for 2 and 6 requests; a compaction batch
+of two row counts moves KV once per count; a batch of unequal row counts is refused where it
+must be (one slot-table read for a wave's plan)."""
 
 from __future__ import annotations
 
@@ -140,3 +141,43 @@ def test_resident_slots_of_a_wave_are_one_row_count():
     with pytest.raises(ValueError, match=r"requests hold \[24, 25\] rows: one count only"):
         cache.resident_slots_many(rids)
     assert runtime.plan_batch == 32768 // 24  # CPU: 32K rows per batch (EvictingRuntime.wave_batch)
+
+
+def mixed(held, seed=1):
+    """Requests holding ``held[i]`` identity rows each (a prefill just written), random KV."""
+    g = torch.Generator().manual_seed(seed)
+    store = TensorKVStore(LAYERS, 400, HKV, D, max_rows=8, max_len=64)
+    cache = CacheManager(store, HKV)
+    for r, n in enumerate(held):
+        slots = store.alloc_rows(r, n)
+        cache.start(f"r{r}", r, n)
+        cache.on_written(f"r{r}", n)
+        for layer in range(LAYERS):
+            store.write(layer, slots, torch.randn(n, HKV, D, generator=g), torch.randn(n, HKV, D, generator=g))
+    return cache
+
+
+def test_a_batch_of_two_row_counts_compacts_in_one_move_per_count(monkeypatch):
+    import sglang_sparse.core.cache_manager as cm
+
+    held, budget = [20, 24, 20, 24, 24, 20], 12
+    g = torch.Generator().manual_seed(2)
+    rows = torch.stack([torch.stack([torch.stack([torch.randperm(n, generator=g)[:budget].sort().values
+                                                  for _ in range(HKV)]) for _ in range(LAYERS)]) for n in held])
+    rids = [f"r{i}" for i in range(len(held))]
+    moves = []
+    flat_moves = cm.compact_kv
+    monkeypatch.setattr(cm, "compact_kv", lambda *a, **kw: moves.append("flat") or flat_moves(*a, **kw))
+    batched = mixed(held)
+    assert batched.compact_rows_many(rids, rows) == [n - budget for n in held]
+    assert moves == ["flat", "flat"]  # one per row count (20 and 24), not one per request
+    single = mixed(held)
+    assert [single.compact_rows(rid, rows[i]) for i, rid in enumerate(rids)] == [n - budget for n in held]
+    sides = []
+    for cache in (batched, single):
+        sides.append(([cache.retained(rid).all_positions() for rid in rids],
+                      [[cache.keys(rid, layer) for layer in range(LAYERS)] for rid in rids],
+                      [[cache.values(rid, layer) for layer in range(LAYERS)] for rid in rids],
+                      cache.store.free_count(), dict(cache.counters)))
+    assert_same(*sides)
+    assert torch.equal(batched.retained("r1").all_positions(), rows[1])  # identity map: row r held position r

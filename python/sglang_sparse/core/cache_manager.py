@@ -152,10 +152,14 @@ class CacheManager:
         if bool(bad[2]):
             raise ValueError("kept rows must be strictly ascending per layer and KV head")
         batch = [states[i] for i in todo]
-        if len(set(held)) == 1:
-            freed = self._compact_equal(batch, rows)
-        else:
-            freed = [self._compact_equal([s], rows[j: j + 1])[0] for j, s in enumerate(batch)]
+        groups: dict[int, list[int]] = {}  # requests holding the same number of rows compact together
+        for j, count in enumerate(held):
+            groups.setdefault(count, []).append(j)
+        freed = [0] * len(batch)
+        for js in groups.values():
+            part = rows if len(js) == len(batch) else rows[torch.tensor(js, device=rows.device)]
+            for j, f in zip(js, self._compact_equal([batch[j] for j in js], part)):
+                freed[j] = f
         got = [0] * len(rids)
         for i, f in zip(todo, freed):
             got[i] = f
@@ -170,7 +174,7 @@ class CacheManager:
         device operations whatever R (a wave's host time was its launches, one set per request)."""
         layers, heads, budget = rows.shape[1:]
         n = states[0].retained.n_rows
-        slots = self.store.rows_slots(torch.tensor([s.req_row for s in states]), n)  # [R, n] int64
+        slots = self._rows_slots(states, n)  # [R, n] int64
         rows_here = rows.to(slots.device)
         src = slots.gather(1, rows_here.flatten(1)).view(rows_here.shape)  # [R, L, H, B] source slots
         # The new positions are gathered where the rows are: no copy of the rows to the host (on
@@ -202,22 +206,14 @@ class CacheManager:
         if len(widths) == 1 and all(k is not None for k in kept):
             width = widths.pop()
             out = torch.stack(kept)  # [R, L, H, width]
-        else:  # mixed: each request's own [L, H, n]
-            width, out = n, torch.stack([self._positions_one(s.retained, k, n, device, dtype)
-                                         for s, k in zip(states, kept)])
+        else:  # mixed: each request's own [L, H, n] (one request never reaches this branch)
+            width, out = n, torch.cat([self._positions([s], n, device, dtype) for s in states])
         tail = n - width
         if tail:
             start = torch.tensor([s.retained.logical_len - tail for s in states], dtype=dtype).to(device)
             new = start.view(-1, 1) + torch.arange(tail, device=device, dtype=dtype)  # [R, tail]
             out = torch.cat([out, new.view(count, 1, 1, tail).expand(count, layers, heads, tail)], dim=3)
         return out
-
-    def _positions_one(self, ret: RetainedMap, kept, n: int, device, dtype) -> torch.Tensor:
-        if kept is None:
-            return torch.arange(n, device=device, dtype=dtype).expand(self.store.num_layers, ret.kv_heads, n)
-        tail = n - kept.shape[2]
-        new = torch.arange(ret.logical_len - tail, ret.logical_len, device=device, dtype=dtype)
-        return torch.cat([kept, new.expand(self.store.num_layers, ret.kv_heads, tail)], dim=2)
 
     def _move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Request r's row i of layer l / head h takes the KV of slot ``src[r, l, h, i]`` into slot
@@ -361,6 +357,10 @@ class CacheManager:
         n = states[0].retained.n_rows
         if any(s.retained.n_rows != n for s in states):
             raise ValueError(f"requests hold {sorted({s.retained.n_rows for s in states})} rows: one count only")
+        return self._rows_slots(states, n)
+
+    def _rows_slots(self, states: list[RequestState], n: int) -> torch.Tensor:
+        """``[R, n]`` int64: the slots of rows ``[0, n)`` of each request, one read of the slot table."""
         return self.store.rows_slots(torch.tensor([s.req_row for s in states]), n).to(torch.int64)
 
     def resident_slots(self, rid: str) -> torch.Tensor:
