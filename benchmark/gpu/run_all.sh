@@ -56,7 +56,8 @@
 #   capacity393k-rkv-h100  the same on an H100 (--mem-fraction-static 0.92, graphs for each own batch only; dense at 16 / 32 splits,
 #                   DENSE_SPLITS="16" for one; 825 s, 2026-12-06; CAP_METHODS="rkv-overlap rkv dense": R-KV under
 #                   the overlap scheduler too, ~24 min)
-#   capacity196k-rkv  capacity393k-rkv-h100 at a 196,608-token pool (default CAP_METHODS="rkv-overlap dense"; ~9 min, est.)
+#   capacity-rkv-overlap  capacity393k-rkv-h100 at a CAP_POOL-token pool (default 196,608; CAP_METHODS default
+#                   "rkv-overlap dense"; ~9 min at 196,608, est.; CAP_POOL=98304: ~6 min, est.)
 #   capacity-eviction  R-KV, SnapKV and dense (16 splits) at a 98,304-token pool               ~6 min
 #   capacity-kvzip  KVzip's kernel test, then KVzip (probe at 32K: 65K rows while it runs), dense
 #                   (16 / 64 splits), SnapKV, 98,304 pool (~8 min, est.)
@@ -335,10 +336,10 @@ print(tuning.config_name(torch.cuda.get_device_name()))')
         ${RKV_SPLITS:+--kv-splits-for rkv=$RKV_SPLITS} \
         --timeout 2400 --window 256 --graphs-own-batch --out "$OUT/long_capacity_32k_393k_rkv_h100.json" \
         -- --mem-fraction-static 0.92 2>&1 | tee "$OUT/$stage.txt" ;;
-    capacity196k-rkv)  # capacity393k-rkv-h100 at half the pool: R-KV's 83 prefills fit one call (~9 min, est.)
-      python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 196608 \
+    capacity-rkv-overlap)  # capacity393k-rkv-h100 at a smaller pool (CAP_POOL, default 196,608: 76 R-KV prefills)
+      python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool ${CAP_POOL:-196608} \
         --prompt-len 32768 --output-len 2048 --methods ${CAP_METHODS:-rkv-overlap dense} --tune dense --kv-splits ${DENSE_SPLITS:-16 32} \
-        --timeout 1200 --window 256 --graphs-own-batch --out "$OUT/long_capacity_32k_196k_rkv.json" \
+        --timeout 1200 --window 256 --graphs-own-batch --out "$OUT/long_capacity_32k_${CAP_POOL:-196608}_rkv_overlap.json" \
         -- --mem-fraction-static 0.92 2>&1 | tee "$OUT/$stage.txt" ;;
     tests-skipkv)
       gpu_tests "$stage" test/test_gpu_server.py -k "online and skipkv" ;;
