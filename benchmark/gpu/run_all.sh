@@ -328,18 +328,20 @@ print(tuning.config_name(torch.cuda.get_device_name()))')
         --prompt-len 32768 --output-len 2048 --methods rkv dense --tune dense --kv-splits 16 \
         --timeout 2400 --window 256 --out "$OUT/long_capacity_32k_393k_rkv.json" \
         -- --cuda-graph-bs-decode 1 2 4 8 11 16 32 64 128 166 2>&1 | tee "$OUT/$stage.txt" ;;
-    capacity393k-rkv-h100)  # the same on an 80 GB card: 393,216 tokens (54 GiB) next to the 8B weights (15.3 GiB)
-      # need --mem-fraction-static 0.92 there (0.80 fits an H200); decode graphs for each one's own batch only;
-      # dense swept over 16 / 32 splits (its two best on the H200), ~15 min through bg.sh
-      python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool 393216 \
-        --prompt-len 32768 --output-len 2048 --methods ${CAP_METHODS:-rkv dense} --tune dense --kv-splits ${DENSE_SPLITS:-16 32} \
+    capacity393k-rkv-h100|capacity-rkv-overlap)  # the same on an 80 GB card: 393,216 tokens (54 GiB) next to
+      # the 8B weights (15.3 GiB) need --mem-fraction-static 0.92 there (0.80 fits an H200); decode graphs for each
+      # one's own batch only; dense swept over 16 / 32 splits (its two best on the H200), ~15 min through bg.sh.
+      # capacity-rkv-overlap: the same at a smaller pool (CAP_POOL, default 196,608: 76 R-KV prefills), one call
+      if [ "$stage" = capacity-rkv-overlap ]; then
+        pool=${CAP_POOL:-196608} methods=${CAP_METHODS:-rkv-overlap dense} limit=1200
+        out=long_capacity_32k_${pool}_rkv_overlap.json
+      else
+        pool=393216 methods=${CAP_METHODS:-rkv dense} limit=2400 out=long_capacity_32k_393k_rkv_h100.json
+      fi
+      python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool "$pool" \
+        --prompt-len 32768 --output-len 2048 --methods $methods --tune dense --kv-splits ${DENSE_SPLITS:-16 32} \
         ${RKV_SPLITS:+--kv-splits-for rkv=$RKV_SPLITS} \
-        --timeout 2400 --window 256 --graphs-own-batch --out "$OUT/long_capacity_32k_393k_rkv_h100.json" \
-        -- --mem-fraction-static 0.92 2>&1 | tee "$OUT/$stage.txt" ;;
-    capacity-rkv-overlap)  # capacity393k-rkv-h100 at a smaller pool (CAP_POOL, default 196,608: 76 R-KV prefills)
-      python3 benchmark/bench_long_context.py capacity --model-path "$M8" --pool ${CAP_POOL:-196608} \
-        --prompt-len 32768 --output-len 2048 --methods ${CAP_METHODS:-rkv-overlap dense} --tune dense --kv-splits ${DENSE_SPLITS:-16 32} \
-        --timeout 1200 --window 256 --graphs-own-batch --out "$OUT/long_capacity_32k_${CAP_POOL:-196608}_rkv_overlap.json" \
+        --timeout "$limit" --window 256 --graphs-own-batch --out "$OUT/$out" \
         -- --mem-fraction-static 0.92 2>&1 | tee "$OUT/$stage.txt" ;;
     tests-skipkv)
       gpu_tests "$stage" test/test_gpu_server.py -k "online and skipkv" ;;
